@@ -1,0 +1,155 @@
+"""Our Qwen2 against ``transformers`` on tiny random checkpoints (fp32, max |diff| < 1e-4)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import dapo_jax  # pylint: disable=g-import-not-at-top
+from dapo_jax.checkpoints import hf as hf_io  # pylint: disable=g-import-not-at-top
+from dapo_jax.models import default_positions  # pylint: disable=g-import-not-at-top
+from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def ckpt(request, tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("qwen2") / ("tied" if request.param else "untied"))
+  return hf_fixtures.write_tiny_qwen2(d, tie=request.param, seed=int(request.param))
+
+
+def _ids(b, t, seed=0, vocab=128):
+  return np.random.RandomState(seed).randint(0, vocab, (b, t)).astype(np.int32)
+
+
+def test_full_forward_matches_transformers(ckpt):
+  model = dapo_jax.load_pretrained(ckpt)
+  ids = _ids(3, 17)
+  ours = np.asarray(model(jnp.asarray(ids)))
+  ref = hf_fixtures.hf_logits(ckpt, ids)
+  assert ours.shape == ref.shape == (3, 17, 128)
+  assert np.abs(ours - ref).max() < TOL
+  assert model.config.tie_word_embeddings == (os.path.basename(ckpt) == "tied")
+
+
+def test_left_padded_batch_matches_transformers(ckpt):
+  model = dapo_jax.load_pretrained(ckpt)
+  ids = _ids(3, 12, seed=1)
+  mask = np.ones_like(ids)
+  mask[0, :5] = 0  # left padding of different lengths
+  mask[1, :2] = 0
+  ids = np.where(mask == 1, ids, 0)
+  ours = np.asarray(model(jnp.asarray(ids), attention_mask_BxT=jnp.asarray(mask)))
+  pos = np.asarray(default_positions(jnp.asarray(mask)))
+  ref = hf_fixtures.hf_logits(ckpt, ids, attention_mask=mask, positions=pos)
+  real = mask.astype(bool)
+  assert np.abs(ours[real] - ref[real]).max() < TOL
+  # Each padded row equals the same prompt run alone without padding.
+  alone = np.asarray(model(jnp.asarray(ids[:1, 5:])))
+  assert np.abs(alone[0] - ours[0, 5:]).max() < TOL
+
+
+def test_prefill_then_kv_cache_decode_matches_transformers(ckpt):
+  model = dapo_jax.load_pretrained(ckpt)
+  ids = _ids(2, 14, seed=2)
+  mask = np.ones_like(ids)
+  mask[1, :3] = 0
+  ids = np.where(mask == 1, ids, 0)
+  pos = np.asarray(default_positions(jnp.asarray(mask)))
+  ref = hf_fixtures.hf_logits(ckpt, ids, attention_mask=mask, positions=pos)
+  prompt_len = 6
+  cache = model.init_cache(2, 20)
+  logits, cache = model(jnp.asarray(ids[:, :prompt_len]), jnp.asarray(pos[:, :prompt_len]),
+                        jnp.asarray(mask[:, :prompt_len]), cache=cache)
+  got = [np.asarray(logits)]
+  for t in range(prompt_len, 14):
+    step, cache = model(jnp.asarray(ids[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]),
+                        jnp.asarray(mask[:, t:t + 1]), cache=cache)
+    got.append(np.asarray(step))
+  got = np.concatenate(got, axis=1)
+  real = mask.astype(bool)
+  assert np.abs(got[real] - ref[real]).max() < TOL
+  assert int(cache.index[0]) == 14
+
+
+def test_export_reload_with_transformers(ckpt, tmp_path):
+  model = dapo_jax.load_pretrained(ckpt)
+  out = hf_io.save_pretrained(model, tmp_path / "export", max_shard_bytes=20_000)
+  assert os.path.exists(os.path.join(out, hf_io.INDEX_FILE))  # forced into several shards
+  ids = _ids(2, 9, seed=3)
+  ref = hf_fixtures.hf_logits(ckpt, ids)
+  exported = hf_fixtures.hf_logits(out, ids)
+  assert np.abs(exported - ref).max() < TOL
+  # And our own loader reads the sharded export back.
+  again = dapo_jax.load_pretrained(out)
+  assert np.abs(np.asarray(again(jnp.asarray(ids))) - ref).max() < TOL
+
+
+def test_bf16_load_runs_close_to_fp32(ckpt):
+  model = dapo_jax.load_pretrained(ckpt, dtype="bfloat16")
+  ids = _ids(2, 8, seed=4)
+  assert model.embed_tokens.value.dtype == jnp.bfloat16
+  ours = np.asarray(model(jnp.asarray(ids)))
+  ref = hf_fixtures.hf_logits(ckpt, ids)
+  assert ours.dtype == np.float32
+  assert np.abs(ours - ref).max() < 0.1  # bf16 rounding, not a layout error
+
+
+# --- clear errors ---------------------------------------------------------------------------
+
+
+def test_missing_directory_and_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    dapo_jax.load_pretrained(tmp_path / "nope")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    dapo_jax.load_pretrained(tmp_path / "empty")
+
+
+def test_pickle_only_checkpoint_is_refused(ckpt, tmp_path):
+  d = tmp_path / "bin"
+  d.mkdir()
+  (d / "config.json").write_text(open(os.path.join(ckpt, "config.json")).read())
+  (d / "pytorch_model.bin").write_bytes(b"not unpickled")
+  with pytest.raises(hf_io.CheckpointError, match="pickle"):
+    dapo_jax.load_pretrained(d)
+
+
+def test_unknown_architecture(ckpt, tmp_path):
+  d = tmp_path / "llama"
+  d.mkdir()
+  cfg = json.load(open(os.path.join(ckpt, "config.json")))
+  cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+  (d / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    dapo_jax.load_pretrained(d)
+
+
+def _copy_with_tensors(ckpt, d, edit):
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  d.mkdir()
+  (d / "config.json").write_text(open(os.path.join(ckpt, "config.json")).read())
+  tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+  edit(tensors)
+  save_file(tensors, str(d / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+  name = "model.layers.1.mlp.up_proj.weight"
+  _copy_with_tensors(ckpt, tmp_path / "m", lambda t: t.pop(name))
+  with pytest.raises(hf_io.CheckpointError, match=name.replace(".", r"\.")):
+    dapo_jax.load_pretrained(tmp_path / "m")
+
+
+def test_misshaped_tensor_is_named(ckpt, tmp_path):
+  name = "model.layers.0.self_attn.k_proj.weight"
+  _copy_with_tensors(ckpt, tmp_path / "s", lambda t: t.update({name: t[name][:-1]}))
+  with pytest.raises(hf_io.CheckpointError, match=r"k_proj\.weight.*shape"):
+    dapo_jax.load_pretrained(tmp_path / "s")
