@@ -103,7 +103,9 @@ class Qwen2Config:
         num_hidden_layers=hf["num_hidden_layers"],
         num_attention_heads=hf["num_attention_heads"],
         num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        head_dim=hf.get("head_dim") or 0,
+        # 0 means the default hidden/heads, so configs compare equal whether or not it is written.
+        head_dim=0 if (hf.get("head_dim") or 0) == hf["hidden_size"] // hf["num_attention_heads"]
+        else hf["head_dim"],
         rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
