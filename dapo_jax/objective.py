@@ -1,0 +1,404 @@
+"""The DAPO objective: group advantages, clipped policy loss, loss aggregation.
+
+Pure `jax.numpy`; no model code. Spec sections 3 (advantage) and 4 (loss).
+Shape suffixes: B sequences, T response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
+
+Array = jax.Array
+
+TOKEN_MEAN = "token-mean"
+SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+LOSS_AGG_MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM,
+                  SEQ_MEAN_TOKEN_SUM_NORM)
+KL_PENALTY_KINDS = ("k1", "kl", "k3", "low_var_kl", "mse")
+
+# Log-ratios are clamped to +-20 before exp() (as verl does) so one outlier
+# token cannot overflow float32. Nothing is lost: that far out the clipped
+# loss of spec section 4 is flat in the ratio, or (A > 0, ratio ~ 0) ~ 0.
+_MAX_LOG_RATIO = 20.0
+
+
+# ----------------------------------------------------------------------------
+# Validation.
+# ----------------------------------------------------------------------------
+
+
+def validate_loss_agg_mode(loss_agg_mode: str) -> None:
+  """Raises ValueError naming the valid modes if `loss_agg_mode` is unknown."""
+  if loss_agg_mode not in LOSS_AGG_MODES:
+    raise ValueError(
+        f"Unknown loss_agg_mode {loss_agg_mode!r}; valid modes are "
+        f"{', '.join(repr(m) for m in LOSS_AGG_MODES)} (spec section 4).")
+
+
+def validate_clip_ratios(clip_ratio_low: float, clip_ratio_high: float,
+                         clip_ratio_c: float) -> None:
+  """Raises ValueError unless 0 <= low < 1, high >= 0 and c > 1.
+
+  Traced (non-Python) values are not checked: validation is a config check.
+  """
+  def concrete(x):
+    return isinstance(x, numbers.Real)
+
+  if concrete(clip_ratio_low) and not 0.0 <= clip_ratio_low < 1.0:
+    raise ValueError(
+        f"clip_ratio_low={clip_ratio_low} must be in [0, 1): the ratio is "
+        f"clipped below at 1 - clip_ratio_low, which must stay positive.")
+  if concrete(clip_ratio_high) and not clip_ratio_high >= 0.0:
+    raise ValueError(
+        f"clip_ratio_high={clip_ratio_high} must be >= 0 (DAPO uses 0.28).")
+  if concrete(clip_ratio_c) and not clip_ratio_c > 1.0:
+    raise ValueError(
+        f"clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound on the "
+        f"ratio for negative advantages; DAPO scripts use 10.0).")
+
+
+# ----------------------------------------------------------------------------
+# Section 3: group advantage.
+# ----------------------------------------------------------------------------
+
+
+def _concrete_or_none(x: Array) -> np.ndarray | None:
+  """Host copy of `x`, or None when `x` is traced (inside jit)."""
+  try:
+    return np.asarray(x)
+  except jax.errors.TracerArrayConversionError:
+    return None
+
+
+def group_ids_from_uids(uids: Sequence[Hashable]) -> np.ndarray:
+  """Maps arbitrary group keys (e.g. uuid strings) to dense int32 ids.
+
+  Host-side helper: ids are assigned in order of first appearance, so the
+  result can be fed to `compute_grpo_outcome_advantage` with
+  `num_groups = ids.max() + 1`.
+  """
+  table: dict[Hashable, int] = {}
+  return np.asarray([table.setdefault(u, len(table)) for u in uids],
+                    dtype=np.int32)
+
+
+def compute_grpo_outcome_advantage(scores: ArrayLike,
+                                   group_ids: ArrayLike,
+                                   num_groups: int | None = None,
+                                   epsilon: float = 1e-6,
+                                   norm_adv_by_std: bool = True) -> Array:
+  """Per-sequence GRPO advantage `(R - mean_g) / (std_g + eps)` (spec 3).
+
+  Args:
+    scores: [B] scalar reward per response.
+    group_ids: [B] integer group id per response, in [0, num_groups), in any
+      order (use `group_ids_from_uids` for non-integer keys).
+    num_groups: static number of segments. Required under `jax.jit`; if None
+      it is read from the (then concrete) ids as `max + 1`.
+    epsilon: added to the std, so a zero-variance group gets advantage 0.
+    norm_adv_by_std: False gives Dr.GRPO's mean-centred advantage.
+
+  Returns:
+    [B] float32 advantages; see `broadcast_to_tokens` for [B, T].
+  """
+  scores_B = jnp.asarray(scores, jnp.float32)
+  ids_B = jnp.asarray(group_ids)
+  if scores_B.ndim != 1 or ids_B.shape != scores_B.shape:
+    raise ValueError(f"scores and group_ids must both be [B]; got "
+                     f"{scores_B.shape} and {ids_B.shape}.")
+  if not jnp.issubdtype(ids_B.dtype, jnp.integer):
+    raise ValueError(f"group_ids must be integers, got {ids_B.dtype}; map "
+                     f"string uids with group_ids_from_uids().")
+  concrete_ids = _concrete_or_none(ids_B)
+  if num_groups is None:
+    if concrete_ids is None:
+      raise ValueError("num_groups must be given (static) when "
+                       "compute_grpo_outcome_advantage runs under jit.")
+    num_groups = int(concrete_ids.max()) + 1 if concrete_ids.size else 0
+  if concrete_ids is not None and concrete_ids.size and (
+      concrete_ids.min() < 0 or concrete_ids.max() >= num_groups):
+    # segment_sum would silently drop these rows.
+    raise ValueError(f"group_ids must lie in [0, {num_groups}); got "
+                     f"[{concrete_ids.min()}, {concrete_ids.max()}].")
+
+  seg_sum = lambda x: jax.ops.segment_sum(x, ids_B, num_segments=num_groups)
+  count_G = seg_sum(jnp.ones_like(scores_B))
+  mean_G = seg_sum(scores_B) / jnp.maximum(count_G, 1.0)
+  # Two-pass variance: stable for rewards with a large common offset.
+  sq_dev_G = seg_sum(jnp.square(scores_B - mean_G[ids_B]))
+  # Unbiased std (ddof=1), as torch.std in verl; jnp.std would use ddof=0.
+  std_G = jnp.sqrt(sq_dev_G / jnp.maximum(count_G - 1.0, 1.0))
+  # A singleton group has no spread to normalise by: mean 0, std 1 (spec 3).
+  singleton_G = count_G <= 1.0
+  mean_G = jnp.where(singleton_G, 0.0, mean_G)
+  std_G = jnp.where(singleton_G, 1.0, std_G)
+
+  centred_B = scores_B - mean_G[ids_B]
+  if not norm_adv_by_std:
+    return centred_B
+  return centred_B / (std_G[ids_B] + epsilon)
+
+
+def broadcast_to_tokens(advantages_B: ArrayLike,
+                        response_mask_BxT: ArrayLike) -> Array:
+  """[B] advantages -> [B, T], zero outside the response mask (spec 3)."""
+  adv_B = jnp.asarray(advantages_B, jnp.float32)
+  return adv_B[:, None] * jnp.asarray(response_mask_BxT, jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Section 4: aggregation.
+# ----------------------------------------------------------------------------
+
+
+def masked_mean(x: ArrayLike, mask: ArrayLike) -> Array:
+  """Mean of `x` over `mask`; 0 when the mask is empty."""
+  mask = jnp.asarray(mask, jnp.float32)
+  total = jnp.sum(jnp.asarray(x, jnp.float32) * mask)
+  return total / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _seq_valid_B(loss_mask_BxT: Array) -> Array:
+  # A fully masked row (padding, or a response removed by overlong filtering)
+  # is not a sequence: it counts in no denominator.
+  return (jnp.sum(loss_mask_BxT, axis=-1) > 0).astype(jnp.float32)
+
+
+def _agg_numerator(loss_BxT: Array, mask_BxT: Array, mode: str) -> Array:
+  """The part of each mode that is additive over micro-batches."""
+  if mode == SEQ_MEAN_TOKEN_MEAN:
+    tokens_B = jnp.sum(mask_BxT, axis=-1)
+    seq_mean_B = jnp.sum(loss_BxT * mask_BxT, axis=-1) / jnp.maximum(
+        tokens_B, 1.0)
+    return jnp.sum(seq_mean_B)  # empty rows contribute 0 / 1 = 0.
+  # token-mean, seq-mean-token-sum and Dr.GRPO all sum every masked token.
+  return jnp.sum(loss_BxT * mask_BxT)
+
+
+def loss_denominator(response_mask: ArrayLike, loss_agg_mode: str,
+                     max_response_length: int | None = None) -> Array:
+  """Normaliser of `loss_agg_mode` for a whole mini-batch (spec 4).
+
+  Pass the result to `agg_loss` / `compute_policy_loss` for every micro-batch
+  of that mini-batch: the micro-batch losses then SUM to the full-batch loss.
+
+  Args:
+    response_mask: [B, T] mask of the whole mini-batch.
+    loss_agg_mode: one of LOSS_AGG_MODES.
+    max_response_length: T_max of Dr.GRPO; defaults to the mask's T.
+
+  Returns:
+    Scalar float32: response tokens (token-mean); sequences with at least one
+    response token (seq-mean-*); that count times T_max (Dr.GRPO).
+  """
+  validate_loss_agg_mode(loss_agg_mode)
+  return _denominator(jnp.asarray(response_mask, jnp.float32), loss_agg_mode,
+                      max_response_length)
+
+
+def _denominator(mask_BxT: Array, mode: str,
+                 max_response_length: int | None = None) -> Array:
+  if mode == TOKEN_MEAN:
+    return jnp.sum(mask_BxT)
+  num_seqs = jnp.sum(_seq_valid_B(mask_BxT))
+  if mode == SEQ_MEAN_TOKEN_SUM_NORM:
+    t_max = mask_BxT.shape[-1] if max_response_length is None else (
+        max_response_length)
+    return num_seqs * float(t_max)
+  return num_seqs
+
+
+def agg_loss(loss_mat: ArrayLike,
+             loss_mask: ArrayLike,
+             loss_agg_mode: str = TOKEN_MEAN,
+             loss_denominator: ArrayLike | None = None) -> Array:
+  """Reduces a [B, T] per-token loss to a scalar (spec 4 table).
+
+  Args:
+    loss_mat: [B, T] per-token loss.
+    loss_mask: [B, T] response mask.
+    loss_agg_mode: 'token-mean' (DAPO), 'seq-mean-token-mean' (GRPO),
+      'seq-mean-token-sum', 'seq-mean-token-sum-norm' (Dr.GRPO).
+    loss_denominator: the whole mini-batch's normaliser (see the function
+      `loss_denominator`) when this is one micro-batch of it; None normalises
+      by this batch alone.
+
+  Returns:
+    Scalar float32 loss.
+  """
+  validate_loss_agg_mode(loss_agg_mode)
+  loss_BxT = jnp.asarray(loss_mat, jnp.float32)
+  mask_BxT = jnp.asarray(loss_mask, jnp.float32)
+  if loss_BxT.shape != mask_BxT.shape or loss_BxT.ndim != 2:
+    raise ValueError(f"loss_mat and loss_mask must both be [B, T]; got "
+                     f"{loss_BxT.shape} and {mask_BxT.shape}.")
+  if loss_denominator is None:
+    den = _denominator(mask_BxT, loss_agg_mode)
+  else:
+    den = jnp.asarray(loss_denominator, jnp.float32)
+  # An empty batch yields 0, not NaN.
+  den = jnp.where(den > 0, den, 1.0)
+  return _agg_numerator(loss_BxT, mask_BxT, loss_agg_mode) / den
+
+
+def verl_microbatch_weight(response_mask: ArrayLike,
+                           total_num_sequences: ArrayLike) -> Array:
+  """Weight verl's reproduction gives a micro-batch: its share of sequences.
+
+  Sequences are counted as in `loss_denominator` (rows with a response token);
+  `total_num_sequences` is that count over the whole mini-batch.
+  """
+  mask_BxT = jnp.asarray(response_mask, jnp.float32)
+  return jnp.sum(_seq_valid_B(mask_BxT)) / jnp.asarray(total_num_sequences,
+                                                       jnp.float32)
+
+
+def agg_loss_verl_microbatch(loss_mat: ArrayLike, loss_mask: ArrayLike,
+                             loss_agg_mode: str,
+                             total_num_sequences: ArrayLike) -> Array:
+  """verl's approximation (spec 4): per-micro-batch loss x sequence share.
+
+  Summed over micro-batches this equals `agg_loss` on the full batch only when
+  the normaliser is proportional to the sequence count; for 'token-mean' with
+  unequal response lengths it does not. Kept for parity experiments.
+  """
+  return agg_loss(loss_mat, loss_mask, loss_agg_mode) * verl_microbatch_weight(
+      loss_mask, total_num_sequences)
+
+
+# ----------------------------------------------------------------------------
+# Section 4: policy loss.
+# ----------------------------------------------------------------------------
+
+
+def compute_policy_loss(
+    old_log_prob: ArrayLike,
+    log_prob: ArrayLike,
+    advantages: ArrayLike,
+    response_mask: ArrayLike,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 10.0,
+    loss_agg_mode: str = TOKEN_MEAN,
+    loss_denominator: ArrayLike | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """Clip-Higher PPO loss with dual clip (spec 4).
+
+  Args:
+    old_log_prob: [B, T] log-probs of the rollout policy (no gradient).
+    log_prob: [B, T] log-probs of the current policy.
+    advantages: [B] or [B, T].
+    response_mask: [B, T].
+    clip_ratio_low: eps_low; ratio clipped below at 1 - eps_low.
+    clip_ratio_high: eps_high; ratio clipped above at 1 + eps_high.
+    clip_ratio_c: dual-clip bound; caps the loss at -A * c where A < 0.
+    loss_agg_mode: see `agg_loss`.
+    loss_denominator: whole mini-batch normaliser for micro-batching; see
+      `agg_loss`.
+
+  Returns:
+    (scalar loss, metrics) with metrics `pg_clipfrac`, `pg_clipfrac_lower`,
+    `ppo_kl`: masked means over this batch.
+  """
+  validate_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+  validate_loss_agg_mode(loss_agg_mode)
+  old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_log_prob, jnp.float32))
+  logp_BxT = jnp.asarray(log_prob, jnp.float32)
+  mask_BxT = jnp.asarray(response_mask, jnp.float32)
+  adv = jnp.asarray(advantages, jnp.float32)
+  adv_BxT = adv[:, None] if adv.ndim == 1 else adv
+  adv_BxT = jnp.broadcast_to(adv_BxT, logp_BxT.shape)
+
+  log_ratio_BxT = jnp.clip(logp_BxT - old_logp_BxT, -_MAX_LOG_RATIO,
+                           _MAX_LOG_RATIO)
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  pg1_BxT = -adv_BxT * ratio_BxT
+  # Decoupled clip range: Clip-Higher (spec 1, 4).
+  pg2_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - clip_ratio_low,
+                                1.0 + clip_ratio_high)
+  clipped_BxT = jnp.maximum(pg1_BxT, pg2_BxT)
+  # Dual clip, only where A < 0: bounds the loss of a token whose ratio blew
+  # up, at -A * c (spec 4).
+  pg3_BxT = -adv_BxT * clip_ratio_c
+  neg_adv_BxT = adv_BxT < 0
+  loss_BxT = jnp.where(neg_adv_BxT, jnp.minimum(clipped_BxT, pg3_BxT),
+                       clipped_BxT)
+
+  loss = agg_loss(loss_BxT, mask_BxT, loss_agg_mode, loss_denominator)
+  metrics = {
+      "pg_clipfrac": masked_mean(pg2_BxT > pg1_BxT, mask_BxT),
+      "pg_clipfrac_lower": masked_mean(
+          (clipped_BxT > pg3_BxT) & neg_adv_BxT, mask_BxT),
+      "ppo_kl": masked_mean(-log_ratio_BxT, mask_BxT),
+  }
+  return loss, metrics
+
+
+# ----------------------------------------------------------------------------
+# Options, all off by default in DAPO.
+# ----------------------------------------------------------------------------
+
+
+def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,
+               kind: str = "low_var_kl") -> Array:
+  """Per-token KL estimate of the policy from a reference (DAPO: unused).
+
+  Args:
+    log_prob: [B, T] current policy log-probs.
+    ref_log_prob: [B, T] reference policy log-probs.
+    kind: 'k1'/'kl' (logp - ref), 'k3'/'low_var_kl' (Schulman's unbiased,
+      non-negative estimator, clamped to [-10, 10]) or 'mse' (0.5 diff^2).
+
+  Returns:
+    [B, T] penalty.
+  """
+  logp = jnp.asarray(log_prob, jnp.float32)
+  ref = jnp.asarray(ref_log_prob, jnp.float32)
+  if kind in ("k1", "kl"):
+    return logp - ref
+  if kind in ("k3", "low_var_kl"):
+    log_r = jnp.clip(ref - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    # r - log r - 1 >= 0; the clamp keeps rare outlier tokens from dominating.
+    return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -10.0, 10.0)
+  if kind == "mse":
+    return 0.5 * jnp.square(logp - ref)
+  raise ValueError(f"Unknown kl_penalty kind {kind!r}; valid kinds are "
+                   f"{', '.join(repr(k) for k in KL_PENALTY_KINDS)}.")
+
+
+def entropy_from_logits(logits: ArrayLike) -> Array:
+  """Entropy over the last axis: logsumexp(z) - sum(softmax(z) * z) (spec 4).
+
+  Divide the logits by the rollout temperature first. Computed in float32;
+  logsumexp subtracts the max, so large logits do not overflow.
+  """
+  z = jnp.asarray(logits, jnp.float32)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  p = jax.nn.softmax(z, axis=-1)
+  return lse - jnp.sum(p * z, axis=-1)
+
+
+def apply_overlong_filter(response_mask: ArrayLike,
+                          truncated: ArrayLike) -> Array:
+  """Zeros the loss mask of truncated responses (overlong filtering, spec 2).
+
+  Args:
+    response_mask: [B, T].
+    truncated: [B] bool, True where the response hit max_response_length
+      without EOS.
+
+  Returns:
+    [B, T] mask, same dtype as `response_mask`.
+  """
+  mask_BxT = jnp.asarray(response_mask)
+  keep_B = jnp.logical_not(jnp.asarray(truncated, jnp.bool_))
+  return mask_BxT * keep_B[:, None].astype(mask_BxT.dtype)
