@@ -1,0 +1,158 @@
+"""The run configuration schema: every field a DAPO run reads, with the paper's defaults.
+
+Config files in ``configs/`` start from ``default_config()`` and override fields; the CLI
+overrides leaves with ``--config.x=y``. Values follow DAPO_SPEC.md (section numbers cited).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from dapo_jax.objective import LOSS_AGG_MODES
+
+ROLLOUT_ENGINES = ("static", "continuous")
+VERIFIERS = ("strict", "symbolic")
+TOKENIZER_KINDS = ("auto", "hf", "qwen2.5", "qwen2.5-math", "char")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The paper's Qwen2.5-32B settings (spec section 8); smaller configs override."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 1000  # rollout steps (each: dynamic sampling, then mini-batch updates)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "qwen2.5-32b"  # architecture when no checkpoint is given (random init)
+  c.model.checkpoint = ""  # HF directory (config.json + safetensors); "" = random init
+  c.model.param_dtype = "bfloat16"
+  c.model.dtype = "bfloat16"
+  c.model.remat = "full"
+  c.model.attention_impl = "auto"
+  c.model.overrides = ml_collections.ConfigDict()  # extra Qwen2Config fields (tiny models)
+
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.kind = "auto"  # auto: the checkpoint's own files, else the offline Qwen2.5 BPE
+  c.tokenizer.path = ""
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train = "dapo_math_17k"  # a TFDS name (dapo_math_17k, aime_2024), a parquet/jsonl path,
+  c.data.eval = "aime_2024"  # or "arithmetic" (the CPU task)
+  c.data.data_dir = "~/tensorflow_datasets"
+  c.data.manual_dir = "~/dapo_data"
+  c.data.dedup = False  # the paper trained on the file as published (~100x repeats)
+  c.data.on_malformed = "raise"  # or "skip" (counted in metrics)
+  c.data.max_prompt_length = 2048
+  c.data.arithmetic = ml_collections.ConfigDict(dict(
+      num_train=20000, num_eval=256, min_digits=1, max_digits=2, min_operands=2, max_operands=2,
+      ops="+-*"))
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.n = 16  # responses per prompt (G)
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.max_response_length = 20480
+  c.rollout.engine = "static"  # or "continuous" (JetStream engine, slot refill)
+  c.rollout.max_concurrent_decodes = 256  # continuous engine slots
+  c.rollout.use_sampler_logprobs = False  # spec 6.2: recompute old log-probs by default
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.verifier = "strict"
+  c.reward.overlong_buffer_enable = True
+  c.reward.overlong_buffer_len = 4096
+  c.reward.overlong_penalty_factor = 1.0
+  c.reward.timeout_s = 5.0
+  c.reward.num_workers = 4
+
+  c.algorithm = ml_collections.ConfigDict()
+  c.algorithm.norm_adv_by_std = True
+  c.algorithm.clip_ratio_low = 0.2
+  c.algorithm.clip_ratio_high = 0.28
+  c.algorithm.clip_ratio_c = 10.0
+  c.algorithm.loss_agg_mode = "token-mean"
+  c.algorithm.dynamic_sampling = True
+  c.algorithm.gen_batch_size = 1536
+  c.algorithm.max_num_gen_batches = 10
+  c.algorithm.keep_surplus = False
+  c.algorithm.overlong_filter = False
+  c.algorithm.use_kl_loss = False  # no reference model is built when off
+  c.algorithm.kl_coef = 0.0
+  c.algorithm.kl_kind = "low_var_kl"
+  c.algorithm.entropy_coeff = 0.0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.train_batch_size = 512  # prompts per step
+  c.optim.mini_batch_size = 32  # prompts per optimizer update -> 16 updates per step
+  c.optim.micro_batch_size = 2  # trajectories per micro-batch (memory only; exact token mean)
+  c.optim.ppo_epochs = 1
+  c.optim.lr = 1e-6
+  c.optim.warmup_steps = 20  # rollout steps (the verl script used 10)
+  c.optim.weight_decay = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.grad_clip = 1.0
+  c.optim.max_consecutive_skips = 10  # non-finite updates in a row before the run stops
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 5  # rollout steps; 0 = never
+  c.eval.num_samples = 1  # per row; the AIME parquet repeats each problem 32x -> avg@32
+  c.eval.temperature = 1.0
+  c.eval.top_p = 0.7
+  c.eval.max_examples = 0  # 0 = all
+  c.eval.batch_size = 64
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.save_every = 10
+  c.checkpoint.max_to_keep = 3
+  c.checkpoint.async_save = True
+
+  c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
+  c.log_every = 1
+  c.num_sample_texts = 2  # completions written to the logs per step
+  c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-3, warmup_steps=20))
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the field for values that would fail later or silently."""
+
+  def bad(field, value, why):
+    raise ValueError(f"config.{field}={value!r}: {why}")
+
+  if c.rollout.engine not in ROLLOUT_ENGINES:
+    bad("rollout.engine", c.rollout.engine, f"choose one of {ROLLOUT_ENGINES}")
+  if c.reward.verifier not in VERIFIERS:
+    bad("reward.verifier", c.reward.verifier, f"choose one of {VERIFIERS}")
+  if c.tokenizer.kind not in TOKENIZER_KINDS:
+    bad("tokenizer.kind", c.tokenizer.kind, f"choose one of {TOKENIZER_KINDS}")
+  if c.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+    bad("algorithm.loss_agg_mode", c.algorithm.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")
+  o = c.optim
+  if o.train_batch_size <= 0 or o.mini_batch_size <= 0:
+    bad("optim.train_batch_size", o.train_batch_size, "batch sizes must be positive")
+  if o.train_batch_size % o.mini_batch_size:
+    bad("optim.mini_batch_size", o.mini_batch_size,
+        f"must divide optim.train_batch_size={o.train_batch_size}")
+  if (o.mini_batch_size * c.rollout.n) % o.micro_batch_size:
+    bad("optim.micro_batch_size", o.micro_batch_size,
+        f"must divide the trajectories of a mini-batch ({o.mini_batch_size} x {c.rollout.n})")
+  if c.rollout.n < 1:
+    bad("rollout.n", c.rollout.n, "need at least one response per prompt")
+  if not 0 < c.rollout.top_p <= 1:
+    bad("rollout.top_p", c.rollout.top_p, "must be in (0, 1]")
+  if c.rollout.temperature <= 0:
+    bad("rollout.temperature", c.rollout.temperature, "training rollouts need temperature > 0")
+  if c.reward.overlong_buffer_enable and not (
+      0 < c.reward.overlong_buffer_len <= c.rollout.max_response_length):
+    bad("reward.overlong_buffer_len", c.reward.overlong_buffer_len,
+        f"must be in (0, rollout.max_response_length={c.rollout.max_response_length}]")
+  if c.algorithm.gen_batch_size < 1:
+    bad("algorithm.gen_batch_size", c.algorithm.gen_batch_size, "must be positive")
+  if not c.algorithm.dynamic_sampling and c.algorithm.gen_batch_size < o.train_batch_size:
+    bad("algorithm.gen_batch_size", c.algorithm.gen_batch_size,
+        "without dynamic sampling one generation batch must hold optim.train_batch_size prompts")
+  if c.optim.lr <= 0 or c.optim.grad_clip <= 0:
+    bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
+  if c.data.on_malformed not in ("raise", "skip"):
+    bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
