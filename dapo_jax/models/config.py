@@ -96,6 +96,7 @@ class Qwen2Config:
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
       eos = eos[0]
+    head_dim = hf.get("head_dim") or 0  # transformers>=5 omits it when it is the default
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -104,8 +105,7 @@ class Qwen2Config:
         num_attention_heads=hf["num_attention_heads"],
         num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         # 0 means the default hidden/heads, so configs compare equal whether or not it is written.
-        head_dim=0 if (hf.get("head_dim") or 0) == hf["hidden_size"] // hf["num_attention_heads"]
-        else hf["head_dim"],
+        head_dim=0 if head_dim == hf["hidden_size"] // hf["num_attention_heads"] else head_dim,
         rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
