@@ -1,0 +1,365 @@
+"""Train-state checkpoints on Orbax: params, optimizer state and JSON run state, one dir per step.
+
+    ckpt = TrainCheckpointer(workdir / "checkpoints", max_to_keep=3)
+    restored = ckpt.restore(abstract_params=abs_params, abstract_opt_state=abs_opt)  # None: fresh
+    ...
+    ckpt.save(step, params, opt_state, {"data": it.state(), "sampler": ds.state_dict(),
+                                        "rng": rng_to_json(key), "config": config.to_dict()})
+    ckpt.close()
+
+A step directory holds four Orbax items: ``params`` and ``opt_state`` (any pytrees of arrays, e.g.
+an ``nnx.State`` and an optax state; sharded arrays are written by every shard's owner), ``meta``
+(the caller's JSON dict plus ``step``) and ``integrity`` (a fingerprint of each array item).
+
+What this adds to ``ocp.CheckpointManager`` so a week-long run does not lose work:
+  * A kill mid-write leaves ``<step>.orbax-checkpoint-tmp``; Orbax only lists renamed (finished)
+    steps, and this manager deletes such leftovers before its first save.
+  * A finished step that no longer reads back (truncated, emptied or bit-flipped files) is moved to
+    ``<directory>/corrupt/`` with a warning and the previous step is restored instead. Bit flips
+    read back without error from tensorstore, hence the fingerprint.
+  * Saving at or below an existing step raises, where Orbax would silently skip the save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+_log = logging.getLogger(__name__)
+
+CORRUPT_SUBDIR = "corrupt"
+_INTEGRITY_VERSION = 1
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """A requested checkpoint step or directory does not exist; the message lists what does."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """A checkpoint (or every checkpoint) fails to read back; the message names steps and causes."""
+
+
+class Restored(NamedTuple):
+  """What `TrainCheckpointer.restore` returns; ``meta["step"]`` is the restored step."""
+  params: Any
+  opt_state: Any  # None when no abstract_opt_state was given.
+  meta: dict[str, Any]
+
+  @property
+  def step(self) -> int:
+    return int(self.meta["step"])
+
+
+# ----------------------------------------------------------------------------
+# JSON items and RNG keys.
+# ----------------------------------------------------------------------------
+
+
+def to_json(obj: Any, path: str = "meta") -> Any:
+  """Plain JSON containers from ``obj`` (numpy values become Python ones, tuples lists).
+
+  Checked when `save` is called, so a bad value fails there and not later in the async writer.
+  """
+  if isinstance(obj, dict):
+    out = {}
+    for k, v in obj.items():
+      if not isinstance(k, str):
+        raise TypeError(f"{path}: JSON keys must be strings, got {k!r}.")
+      out[k] = to_json(v, f"{path}.{k}")
+    return out
+  if isinstance(obj, (list, tuple)):
+    return [to_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+  if obj is None or isinstance(obj, (bool, int, float, str)):
+    return obj
+  if isinstance(obj, (np.ndarray, np.generic, jax.Array)):
+    if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+      raise TypeError(f"{path} is a typed PRNG key; store rng_to_json(key) instead.")
+    return np.asarray(obj).tolist()
+  raise TypeError(
+      f"{path} is a {type(obj).__name__}, which JSON cannot hold; convert it first "
+      f"(ConfigDict: .to_dict(), RNG key: rng_to_json(key), dataclass: dataclasses.asdict).")
+
+
+def rng_to_json(key: jax.Array) -> dict[str, Any]:
+  """A typed (``jax.random.key``) or raw uint32 (``PRNGKey``) key as JSON."""
+  typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(key) if typed else key
+  return {"typed": bool(typed), "impl": str(jax.random.key_impl(key)) if typed else None,
+          "data": np.asarray(data).tolist()}
+
+
+def rng_from_json(obj: dict[str, Any]) -> jax.Array:
+  """Inverse of `rng_to_json`."""
+  data = jnp.asarray(obj["data"], dtype=jnp.uint32)
+  return jax.random.wrap_key_data(data, impl=obj["impl"]) if obj["typed"] else data
+
+
+# ----------------------------------------------------------------------------
+# Fingerprints: tensorstore reads flipped bits back without any error.
+# ----------------------------------------------------------------------------
+
+
+def _bits_u32(x: jax.Array) -> jax.Array:
+  """The raw bits of ``x`` as uint32 words (narrow dtypes zero-extended, 64-bit ones split)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize)
+  if narrow is not None:
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+@jax.jit
+def _fingerprint(tree: Any) -> jax.Array:
+  """A uint32 digest; integer sums wrap exactly, so it does not depend on the sharding."""
+  total = jnp.uint32(0)
+  for i, x in enumerate(jax.tree.leaves(tree)):
+    # An odd factor is invertible mod 2**32: a change confined to one leaf always shows.
+    total += jnp.sum(_bits_u32(jnp.asarray(x)), dtype=jnp.uint32) * jnp.uint32(2 * i + 1)
+  return total
+
+
+def _signature(tree: Any) -> str:
+  """Paths, shapes and dtypes: a fingerprint is only comparable when these match."""
+  desc = [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return hashlib.sha1(repr(desc).encode()).hexdigest()[:16]
+
+
+def _integrity_record(tree: Any) -> dict[str, Any]:
+  return {"fingerprint": int(_fingerprint(tree)), "signature": _signature(tree)}
+
+
+def _verify(name: str, tree: Any, record: dict[str, Any] | None) -> None:
+  # A different signature means the caller restored into other dtypes (a cast): nothing to compare.
+  if record is None or record["signature"] != _signature(tree):
+    return
+  got = int(_fingerprint(tree))
+  if got != record["fingerprint"]:
+    raise CorruptCheckpointError(
+        f"'{name}' read back with fingerprint {got}, saved {record['fingerprint']}: "
+        f"the files changed after they were written.")
+
+
+# ----------------------------------------------------------------------------
+# Restore with fall-back.
+# ----------------------------------------------------------------------------
+
+
+def _abstract(tree: Any) -> Any:
+  """ShapeDtypeStructs with shardings; live arrays are accepted too (their layout is used)."""
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def one(x):
+    s = ocp.utils.to_shape_dtype_struct(x)
+    if getattr(s, "sharding", None) is None:
+      # Pinned here so a restore never depends on the writer's device layout.
+      s = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=default)
+    return s
+  return jax.tree.map(one, tree)
+
+
+def _read_step(mgr: ocp.CheckpointManager, step: int, abstract_params: Any,
+               abstract_opt_state: Any) -> Restored:
+  args = {"params": ocp.args.StandardRestore(_abstract(abstract_params)),
+          "meta": ocp.args.JsonRestore()}
+  if abstract_opt_state is not None:
+    args["opt_state"] = ocp.args.StandardRestore(_abstract(abstract_opt_state))
+  has_integrity = (epath.Path(mgr.directory) / str(step) / "integrity").exists()
+  if has_integrity:
+    args["integrity"] = ocp.args.JsonRestore()
+  out = mgr.restore(step, args=ocp.args.Composite(**args))
+  integrity = out["integrity"] if has_integrity else {}
+  _verify("params", out["params"], integrity.get("params"))
+  opt_state = out["opt_state"] if abstract_opt_state is not None else None
+  if opt_state is not None:
+    _verify("opt_state", opt_state, integrity.get("opt_state"))
+  return Restored(out["params"], opt_state, dict(out["meta"]))
+
+
+def _restore(mgr: ocp.CheckpointManager, step: int | None,
+             read: Callable[[int], Restored],
+             on_skipped: Callable[[list[int]], None]) -> Restored | None:
+  """``step``, or the newest step that reads back; ``on_skipped`` gets the newer unreadable ones."""
+  steps = sorted(mgr.all_steps())
+  if step is not None:
+    if step not in steps:
+      raise CheckpointNotFoundError(
+          f"No checkpoint for step {step} in {mgr.directory}; available steps: {steps}.")
+    return read(step)  # The caller asked for this exact step: no fall-back.
+  failures: list[tuple[int, Exception]] = []
+  for s in reversed(steps):
+    try:
+      restored = read(s)
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax/tensorstore raise plain ValueError/Exception for unreadable files.
+      _log.warning("Checkpoint step %d in %s cannot be restored (%s: %s); trying the previous "
+                   "step.", s, mgr.directory, type(e).__name__, _short(e))
+      failures.append((s, e))
+      continue
+    if failures:
+      _log.warning("Restored step %d instead of the newer unreadable step(s) %s.", s,
+                   [f for f, _ in failures])
+      on_skipped([f for f, _ in failures])
+    return restored
+  if failures:
+    causes = "; ".join(f"step {s}: {type(e).__name__}: {_short(e)}" for s, e in failures)
+    raise CorruptCheckpointError(
+        f"No checkpoint in {mgr.directory} can be restored ({causes}). If every step fails the "
+        f"same way, the abstract target probably does not match the saved state (another "
+        f"model config?).") from failures[0][1]
+  return None
+
+
+def _short(e: Exception, limit: int = 300) -> str:
+  msg = " ".join(str(e).split())
+  return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+# ----------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------
+
+
+class TrainCheckpointer:
+  """Saves and restores the train state under ``directory/<step>/``; one writer per directory.
+
+  Args:
+    directory: local path or any ``etils.epath`` URL (``gs://...``).
+    max_to_keep: newest complete steps kept on disk (None: all).
+    async_save: `save` returns once arrays are copied to host; files are written in the
+      background (so the caller may donate or overwrite the device buffers right after).
+  """
+
+  def __init__(self, directory: str | epath.PathLike, *, max_to_keep: int | None = 3,
+               async_save: bool = True):
+    self.directory = epath.Path(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        enable_async_checkpointing=async_save,
+        # Leftovers of killed writes are never listed; this deletes them (in the background,
+        # done before the first save) so they do not pile up over a long run.
+        cleanup_tmp_directories=True,
+        create=True)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any] | None = None,
+           *, force: bool = False) -> None:
+    """Saves one step; the caller decides when (e.g. ``step % save_every == 0``).
+
+    ``meta`` must be JSON-able (checked now); ``step`` is added to it. A step at or below an
+    existing one raises, unless ``force`` (which deletes those steps first: for a run restarted
+    from an older step on purpose).
+    """
+    step = int(step)
+    meta = to_json(dict(meta or {}))
+    if meta.setdefault("step", step) != step:
+      raise ValueError(f"meta['step']={meta['step']} differs from step={step}.")
+    # Orbax would wait for the previous async save at the start of its save anyway.
+    self._mgr.wait_until_finished()
+    clash = [s for s in self._mgr.all_steps() if s >= step]
+    if clash and not force:
+      raise ValueError(
+          f"Cannot save step {step} in {self.directory}: step(s) {sorted(clash)} already exist "
+          f"(a run resumed from an older step?). Move them away, or pass force=True to delete "
+          f"them.")
+    for s in clash:
+      _log.warning("Deleting checkpoint step %d in %s to save step %d (force=True).", s,
+                   self.directory, step)
+      self._mgr.delete(s)
+    integrity = {"version": _INTEGRITY_VERSION, "params": _integrity_record(params),
+                 "opt_state": _integrity_record(opt_state)}
+    args = ocp.args.Composite(
+        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave(meta), integrity=ocp.args.JsonSave(integrity))
+    # force=True: the interval policy is the caller's; clashes were handled above.
+    self._mgr.save(step, args=args, force=True)
+
+  def restore(self, step: int | None = None, *, abstract_params: Any,
+              abstract_opt_state: Any = None) -> Restored | None:
+    """Restores ``step`` (default: the newest readable one) into the targets' shardings.
+
+    Targets are pytrees of ``jax.ShapeDtypeStruct`` with ``.sharding`` (e.g. ``jax.eval_shape``
+    output plus the shardings) or of live arrays (their layout is used); a leaf without a sharding
+    goes to the first device. ``abstract_opt_state=None`` skips the optimizer state.
+
+    Returns None when the directory holds no checkpoint. With ``step=None`` an unreadable newest
+    step is moved to ``<directory>/corrupt/`` and the previous one restored (with a warning).
+    Raises `CheckpointNotFoundError` for a missing ``step``, `CorruptCheckpointError` when nothing
+    reads back.
+    """
+    self._mgr.wait_until_finished()
+    return _restore(self._mgr, step,
+                    lambda s: _read_step(self._mgr, s, abstract_params, abstract_opt_state),
+                    self._quarantine)
+
+  def latest_step(self) -> int | None:
+    """The newest complete step (None: none); finished async saves included."""
+    return self._mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._mgr.all_steps())
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the pending async save is on disk; a failed write raises here (or at the
+    next `save` / `close`)."""
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the pending save and releases Orbax's threads."""
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+
+  def __enter__(self) -> TrainCheckpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _quarantine(self, steps: list[int]) -> None:
+    """Moves unreadable steps aside: kept for inspection, and re-saving those steps works."""
+    if jax.process_index() == 0:
+      dest_root = self.directory / CORRUPT_SUBDIR
+      dest_root.mkdir(parents=True, exist_ok=True)
+      for s in steps:
+        dest = dest_root / f"{s}-{int(time.time())}"
+        (self.directory / str(s)).rename(dest)
+        _log.warning("Moved unreadable checkpoint step %d to %s; delete it once inspected.", s,
+                     dest)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("dapo_jax_checkpoint_quarantine")
+    self._mgr.reload()
+
+
+def load_params_only(directory: str | epath.PathLike, step: int | None = None, *,
+                     abstract_params: Any) -> Any:
+  """Params of ``step`` (default: the newest readable one) for evaluation or serving.
+
+  Read-only: never deletes or moves anything, so it is safe next to a running trainer.
+  """
+  directory = epath.Path(directory)
+  if not directory.exists():
+    raise CheckpointNotFoundError(f"Checkpoint directory {directory} does not exist.")
+  # save_interval_steps=0 and no async: what read_only implies anyway, minus Orbax's warnings.
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                         enable_async_checkpointing=False)
+  mgr = ocp.CheckpointManager(directory, options=options)
+  try:
+    restored = _restore(mgr, step, lambda s: _read_step(mgr, s, abstract_params, None),
+                        lambda _: None)
+  finally:
+    mgr.close()
+  if restored is None:
+    raise CheckpointNotFoundError(f"No checkpoint in {directory}.")
+  return restored.params

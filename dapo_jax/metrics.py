@@ -1,0 +1,309 @@
+"""What a researcher reads during and after a run: scalars, samples, a progress bar, curves.
+
+    writer = MetricsWriter(workdir, resume_step=restored_step)  # 0 for a fresh run
+    bar = ProgressBar(total_steps, initial=restored_step)
+    timer = Timer()
+    with timer("rollout"):
+      ...
+    scalars = {**train_metrics, **timer.pop()}
+    writer.write_scalars(step, scalars); bar.update(step, scalars); writer.flush()
+    plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+
+Files under ``workdir``: ``metrics.jsonl`` (one JSON object per step: ``{"step": k, name: float
+or null}``), ``samples.jsonl`` (``{"step", "tag", "text"}`` per text) and ``tb/`` (TensorBoard).
+The default plot panels match names by glob, so any prefix works (``train/grad_norm``):
+``reward_mean``, ``acc_mean``, ``avg@k``/``pass@k``/``maj@k`` (held-out, from
+`dapo_jax.eval_metrics.summarize`), ``response_length_mean``/``_max``, ``entropy``,
+``pg_clipfrac``/``_lower``, ``ppo_kl``, ``grad_norm``, ``kept_ratio``, ``all_correct_ratio``,
+``all_wrong_ratio``, ``num_gen_batches``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+_log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+TB_SUBDIR = "tb"
+
+
+def _to_float(name: str, value: Any) -> float:
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f"Metric {name!r} must be a scalar, got shape {arr.shape}.")
+  return float(arr.reshape(()))
+
+
+def _rewrite_jsonl(path: str, max_step: int | None) -> None:
+  """Drops lines with ``step > max_step`` and unreadable ones (a line cut by a crash)."""
+  if not os.path.exists(path):
+    return
+  kept, bad, dropped, unterminated = [], 0, 0, False
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        step = int(json.loads(line)["step"])
+      except (ValueError, KeyError, TypeError):
+        bad += line.strip() != ""
+        continue
+      if max_step is not None and step > max_step:
+        dropped += 1
+        continue
+      unterminated = not line.endswith("\n")  # Appending would glue the next row onto it.
+      kept.append(line.rstrip("\n") + "\n")
+  if bad or dropped or unterminated:
+    if bad or dropped:
+      _log.warning("%s: dropped %d line(s) after step %s and %d unreadable line(s).", path,
+                   dropped, max_step, bad)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)  # Atomic: a crash here leaves the old file, never a half one.
+
+
+class MetricsWriter:
+  """Scalars and texts to TensorBoard and JSONL; only process 0 writes (``active``).
+
+  Args:
+    workdir: the run directory (created).
+    tensorboard / jsonl: which sinks to write.
+    resume_step: the step the run restarts from. Lines and events with a larger step, written
+      before a crash, are dropped, so the resumed log has no duplicate steps. None: keep all.
+    active: default ``jax.process_index() == 0``.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, jsonl: bool = True,
+               resume_step: int | None = None, active: bool | None = None):
+    if active is None:
+      import jax  # pylint: disable=g-import-not-at-top
+      active = jax.process_index() == 0
+    self.workdir = os.fspath(workdir)
+    self.active = active
+    self._pending: dict[str, Any] | None = None
+    self._jsonl = self._texts = self._tb = None
+    if not active:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    if jsonl:
+      for name in (METRICS_FILE, SAMPLES_FILE):
+        _rewrite_jsonl(os.path.join(self.workdir, name), resume_step)
+      self._jsonl = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
+      self._texts = open(os.path.join(self.workdir, SAMPLES_FILE), "a", encoding="utf-8")
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      # purge_step makes TensorBoard hide the old run's events from that step on.
+      purge = None if resume_step is None else resume_step + 1
+      # tensorboardX names event files by the second and opens them with "wb": a unique suffix
+      # keeps a restart within the same second from overwriting the previous run's events.
+      self._tb = SummaryWriter(os.path.join(self.workdir, TB_SUBDIR), purge_step=purge,
+                               filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Numbers (Python, numpy or 0-d jax arrays); several calls for one step make one row.
+
+    Device values are read back here: call it after the next step has been dispatched.
+    """
+    if not self.active:
+      return
+    step = int(step)
+    values = {k: _to_float(k, v) for k, v in scalars.items()}
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, step)
+    if self._jsonl is not None:
+      if self._pending is not None and self._pending["step"] != step:
+        self._emit()
+      if self._pending is None:
+        self._pending = {"step": step}
+      # JSON has no NaN or inf: null keeps the file valid for every reader.
+      self._pending.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    """Sample completions and the like, written now."""
+    if not self.active:
+      return
+    for tag, text in texts.items():
+      if self._tb is not None:
+        self._tb.add_text(tag, str(text), int(step))
+      if self._texts is not None:
+        self._texts.write(json.dumps({"step": int(step), "tag": tag, "text": str(text)}) + "\n")
+
+  def flush(self) -> None:
+    """Writes the pending row and flushes every sink (call at each log step).
+
+    A later write for the same step starts a second row; `read_jsonl` merges them.
+    """
+    if not self.active:
+      return
+    self._emit()
+    for f in (self._jsonl, self._texts, self._tb):
+      if f is not None:
+        f.flush()
+
+  def close(self) -> None:
+    self.flush()
+    for f in (self._jsonl, self._texts, self._tb):
+      if f is not None:
+        f.close()
+    self._jsonl = self._texts = self._tb = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _emit(self) -> None:
+    if self._pending is not None and self._jsonl is not None:
+      self._jsonl.write(json.dumps(self._pending, allow_nan=False) + "\n")
+    self._pending = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """Rows of ``metrics.jsonl`` by step (rows of one step merged); null becomes NaN."""
+  rows: dict[int, dict[str, Any]] = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+        step = int(row["step"])
+      except (ValueError, KeyError, TypeError):
+        continue  # A line cut by a crash.
+      merged = rows.setdefault(step, {"step": step})
+      merged.update({k: math.nan if v is None else v for k, v in row.items() if k != "step"})
+  return [rows[s] for s in sorted(rows)]
+
+
+class ProgressBar:
+  """A tqdm bar over rollout steps with a few live metrics in its postfix.
+
+  ``fields`` maps a short label to a metric name; names are matched exactly or as a suffix after
+  ``/`` (``"kept_ratio"`` finds ``"sampling/kept_ratio"``).
+  """
+
+  DEFAULT_FIELDS = {"reward": "reward_mean", "acc": "acc_mean", "kept": "kept_ratio"}
+
+  def __init__(self, total: int, *, initial: int = 0, fields: Mapping[str, str] | None = None,
+               desc: str = "train", disable: bool | None = None):
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    self.fields = dict(self.DEFAULT_FIELDS if fields is None else fields)
+    self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                     disable=disable)
+
+  def update(self, step: int, scalars: Mapping[str, Any] | None = None) -> None:
+    """Moves the bar to ``step`` (completed steps) and shows the fields found in ``scalars``."""
+    if scalars:
+      post = {}
+      for label, name in self.fields.items():
+        key = next((k for k in scalars if k == name or k.endswith("/" + name)), None)
+        if key is not None:
+          post[label] = f"{_to_float(key, scalars[key]):.3g}"
+      self._bar.set_postfix(post, refresh=False)
+    self._bar.update(max(0, int(step) - self._bar.n))
+
+  @property
+  def n(self) -> int:
+    """Completed steps shown."""
+    return self._bar.n
+
+  @property
+  def postfix(self) -> str:
+    return self._bar.postfix or ""
+
+  def close(self) -> None:
+    self._bar.close()
+
+
+class Timer:
+  """Wall-clock seconds per phase, summed until `pop`.
+
+  JAX dispatches asynchronously: block on a phase's outputs (``jax.block_until_ready``) inside
+  its ``with`` block, or the time lands in whichever phase first waits for them.
+  """
+
+  def __init__(self):
+    self.totals: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+  def pop(self, prefix: str = "time/") -> dict[str, float]:
+    """The totals as metrics (``time/rollout``...), then reset."""
+    out = {prefix + k: v for k, v in self.totals.items()}
+    self.totals = {}
+    return out
+
+
+# (title, glob patterns); a panel with no matching metric is left out.
+Panel = tuple[str, Sequence[str]]
+DEFAULT_PANELS: tuple[Panel, ...] = (
+    ("reward / accuracy (train)", ("*reward_mean", "*acc_mean")),
+    ("held-out accuracy", ("*avg@*", "*pass@*", "*maj@*")),  # eval_metrics.summarize names.
+    ("response length", ("*response_length_mean", "*response_length_max")),
+    ("entropy", ("*entropy",)),
+    ("clip fraction", ("*pg_clipfrac", "*pg_clipfrac_lower")),
+    ("ppo_kl", ("*ppo_kl",)),
+    ("grad norm", ("*grad_norm",)),
+    ("dynamic sampling: group ratios", ("*kept_ratio", "*all_correct_ratio", "*all_wrong_ratio")),
+    ("generation batches per step", ("*num_gen_batches",)),
+)
+
+
+def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
+                panels: Sequence[str | Panel] | None = None, *, ncols: int = 3) -> list[str]:
+  """A grid of learning curves from ``metrics.jsonl`` as a PNG; returns the panel titles drawn.
+
+  ``panels``: a metric name or glob per panel, or ``(title, [globs])``; default `DEFAULT_PANELS`.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # No display on a training host.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  rows = read_jsonl(jsonl_path)
+  names = sorted({k for r in rows for k in r if k != "step"})
+  panels = DEFAULT_PANELS if panels is None else panels
+  drawn: list[tuple[str, list[str]]] = []
+  for panel in panels:
+    title, patterns = (panel, (panel,)) if isinstance(panel, str) else panel
+    keys = [k for k in names if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    if keys:
+      drawn.append((title, keys))
+  if not drawn:
+    raise ValueError(f"No metric in {jsonl_path} matches the panels; its metrics are {names}.")
+
+  ncols = min(ncols, len(drawn))
+  nrows = math.ceil(len(drawn) / ncols)
+  fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.4 * nrows), squeeze=False)
+  for ax, (title, keys) in zip(axes.flat, drawn):
+    for k in keys:
+      pts = [(r["step"], r[k]) for r in rows if k in r]
+      xs, ys = zip(*pts)
+      # Sparse series (evaluation every N steps) get markers so single points show.
+      ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3, label=k)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(keys) > 1:
+      ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(drawn):]:
+    ax.axis("off")
+  fig.tight_layout()
+  fig.savefig(os.fspath(out_png), dpi=100)
+  plt.close(fig)
+  return [t for t, _ in drawn]
