@@ -153,3 +153,33 @@ def test_misshaped_tensor_is_named(ckpt, tmp_path):
   _copy_with_tensors(ckpt, tmp_path / "s", lambda t: t.update({name: t[name][:-1]}))
   with pytest.raises(hf_io.CheckpointError, match=r"k_proj\.weight.*shape"):
     dapo_jax.load_pretrained(tmp_path / "s")
+
+
+def test_load_straight_into_sharded_layout(ckpt):
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  mesh = shd.make_mesh([("data", 1), ("fsdp", 4), ("tensor", 2)])
+  model = dapo_jax.load_pretrained(ckpt, mesh=mesh)
+  up = model.layers[0].mlp.up_proj.kernel.value  # [64, 96]: fsdp x tensor
+  assert up.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert up.addressable_shards[0].data.shape == (16, 48)
+  ids = _ids(2, 9, seed=5)
+  ref = hf_fixtures.hf_logits(ckpt, ids)
+  assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() < TOL
+
+
+def test_load_holds_at_most_one_full_tensor_on_host(ckpt, monkeypatch):
+  """Each tensor read from disk is released before the next one is read."""
+  import weakref  # pylint: disable=g-import-not-at-top
+  alive, peak = [0], [0]
+  original = hf_io._Reader.get
+
+  def tracked(self, name):
+    arr = original(self, name)
+    alive[0] += 1
+    peak[0] = max(peak[0], alive[0])
+    weakref.finalize(arr, lambda: alive.__setitem__(0, alive[0] - 1))
+    return arr
+
+  monkeypatch.setattr(hf_io._Reader, "get", tracked)
+  dapo_jax.load_pretrained(ckpt)
+  assert peak[0] == 1
