@@ -1,0 +1,175 @@
+r"""Decode throughput of the compiled sampler against Hugging Face `generate`, same weights.
+
+    python bench/decode_throughput.py              # tiny Qwen2, B=64, P=32, R=128
+    python bench/decode_throughput.py --repeats 5 --wide_hidden 1024
+
+Prints a table: generated tokens/s of `transformers` `generate` and of
+`dapo_jax.rollout.Sampler` on the same random checkpoint (written by transformers, loaded with
+`dapo_jax.load_pretrained`), sampling at temperature 1 with no stop token so every row makes all
+R tokens. The engines are timed interleaved in one run (the CPU is shared; ratios are what count),
+warm-up excluded. Then decode and prefill utilisation of a wider model against the fp32 matmul
+peak measured in the same run. A benchmark, not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dapo_jax
+from dapo_jax.models import Qwen2Config
+from dapo_jax.rollout import Sampler, SamplingParams
+
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2)
+
+
+def write_hf_checkpoint(out_dir: str, **shape) -> str:
+  """A random transformers Qwen2 (no EOS), saved as safetensors."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  cfg = transformers.Qwen2Config(**shape, max_position_embeddings=2048, rope_theta=10000.0,
+                                 tie_word_embeddings=False, bos_token_id=None,
+                                 eos_token_id=None, pad_token_id=0)
+  transformers.Qwen2ForCausalLM(cfg).eval().save_pretrained(out_dir, safe_serialization=True)
+  return out_dir
+
+
+def hf_generate_fn(ckpt: str, ids: np.ndarray, new_tokens: int, threads: int | None = None):
+  """`generate` as a new user would call it (default cache and attention).
+
+  `threads` pins torch's intra-op threads for the call: torch's spinning OpenMP workers slow
+  down badly when other processes share the cores, so the 1-thread figure is the steadier one.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+  ids_t = torch.tensor(ids, dtype=torch.long)
+  mask_t = torch.ones_like(ids_t)
+
+  def run():
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    with torch.no_grad():
+      out = model.generate(ids_t, attention_mask=mask_t, do_sample=True, temperature=1.0,
+                           top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=0)
+    torch.set_num_threads(default_threads)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+  return run
+
+
+def jax_generate_fn(model, ids: np.ndarray, new_tokens: int):
+  graphdef, state = nnx.split(model)
+  sampler = Sampler(graphdef)
+  params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, eos_ids=())
+  mask = np.ones_like(ids, bool)
+  calls = [0]
+
+  def run():
+    calls[0] += 1
+    out = sampler.generate(state, ids, mask, jax.random.key(calls[0]), params)
+    assert int(out.num_steps) == new_tokens  # the only host sync, once per call
+  return run
+
+
+def once(fn) -> float:
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
+def flops_per_token(cfg: Qwen2Config, context: float) -> float:
+  """Matmul FLOPs of one token: 2 x (weights touched, no embedding lookup) + attention."""
+  matmul_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (
+      0 if cfg.tie_word_embeddings else 1)
+  attn = 4 * context * cfg.num_attention_heads * cfg.dim_per_head * cfg.num_hidden_layers
+  return 2 * matmul_params + attn
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--prompt_len", type=int, default=32)
+  ap.add_argument("--new_tokens", type=int, default=128)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--wide_hidden", type=int, default=1024, help="0 skips the utilisation table")
+  args = ap.parse_args()
+  b, p, r = args.batch, args.prompt_len, args.new_tokens
+  ids = np.random.RandomState(0).randint(1, TINY["vocab_size"], (b, p)).astype(np.int32)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; B={b} P={p} R={r}, "
+        f"temperature 1, no EOS, best and median of {args.repeats} (warm-up excluded)")
+
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = write_hf_checkpoint(tmp, **TINY)
+    engines = {
+        "transformers generate (default threads)": hf_generate_fn(ckpt, ids, r),
+        "transformers generate (1 torch thread)": hf_generate_fn(ckpt, ids, r, threads=1),
+        "dapo_jax Sampler": jax_generate_fn(dapo_jax.load_pretrained(ckpt), ids, r),
+    }
+    for fn in engines.values():
+      fn()  # warm-up (and compile)
+    times = {name: [] for name in engines}
+    for _ in range(args.repeats):  # interleaved, so all see the same background load
+      for name, fn in engines.items():
+        times[name].append(once(fn))
+
+  print("\n| engine | best tok/s | median tok/s | speed-up of dapo_jax (median of pairs, "
+        "best/best) |\n|---|---|---|---|")
+  ours_t = times["dapo_jax Sampler"]
+  for name, ts in times.items():
+    pairs = statistics.median(h / o for h, o in zip(ts, ours_t))
+    print(f"| {name} | {b * r / min(ts):,.0f} | {b * r / statistics.median(ts):,.0f} | "
+          f"{pairs:.2f}x, {min(ts) / min(ours_t):.2f}x |")
+
+  if args.wide_hidden:
+    utilisation(args.wide_hidden, b, p, r, args.repeats)
+
+
+def utilisation(hidden: int, b: int, p: int, r: int, repeats: int):
+  """Decode and prefill FLOP/s of a wider model as a fraction of the measured matmul peak."""
+  heads = max(hidden // 64, 1)
+  cfg = Qwen2Config(TINY["vocab_size"], hidden, hidden * 3, TINY["num_hidden_layers"], heads,
+                    max(heads // 4, 1), rope_theta=10000.0, tie_word_embeddings=False,
+                    max_position_embeddings=2048, bos_token_id=None, eos_token_id=None)
+  model = dapo_jax.models.create_model(cfg)
+  ids = np.random.RandomState(1).randint(1, cfg.vocab_size, (b, p)).astype(np.int32)
+  a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+  dot = jax.jit(lambda a: jnp.dot(a, a))
+  fns = {"peak": lambda: dot(a).block_until_ready(), "full": jax_generate_fn(model, ids, r),
+         "prefill": jax_generate_fn(model, ids, 1)}
+  for fn in fns.values():
+    fn()  # warm-up (and compile)
+  best = {name: float("inf") for name in fns}
+  for _ in range(repeats):  # interleaved, so all see the same background load
+    for name, fn in fns.items():
+      # The (short) peak is sampled three times a round so one busy moment does not set it.
+      best[name] = min([best[name]] + [once(fn) for _ in range(3 if name == "peak" else 1)])
+  peak = 2 * 2048**3 / best["peak"]
+  full, prefill = best["full"], best["prefill"]
+  decode = max(full - prefill, 1e-9)
+  dec_flops = b * (r - 1) * flops_per_token(cfg, p + r / 2)
+  pre_flops = b * p * flops_per_token(cfg, p / 2)
+  print(f"\nwide model: hidden {hidden}, {cfg.num_hidden_layers} layers, {heads} heads, "
+        f"{cfg.num_key_value_heads} kv heads, MLP {3 * hidden}, "
+        f"{cfg.num_params() / 1e6:.1f}M params")
+  print(f"fp32 matmul peak (jnp.dot 2048^2, best in the same loop): {peak / 1e9:.1f} GFLOP/s\n")
+  print("| phase | time s | tok/s | GFLOP/s | fraction of peak |\n|---|---|---|---|---|")
+  print(f"| prefill (B x P, + 1 sample) | {prefill:.3f} | {b * p / prefill:,.0f} | "
+        f"{pre_flops / prefill / 1e9:.1f} | {pre_flops / prefill / peak:.2f} |")
+  print(f"| decode (R - 1 steps) | {decode:.3f} | {b * (r - 1) / decode:,.0f} | "
+        f"{dec_flops / decode / 1e9:.1f} | {dec_flops / decode / peak:.2f} |")
+  print("\n(Fractions compare best times of a shared CPU; above ~0.9 means the peak samples hit a "
+        "busier moment than the run they divide: rerun.)")
+
+
+if __name__ == "__main__":
+  main()

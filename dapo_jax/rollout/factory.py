@@ -1,0 +1,32 @@
+"""Picks the rollout engine a config asks for; both return the same ``RolloutBatch``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from dapo_jax import sharding as shd
+from dapo_jax.rollout.sampler import RolloutBatch, Sampler
+from dapo_jax.rollout.sampling import SamplingParams
+
+# (params_state, prompt_ids [B,P], prompt_mask [B,P], key, params, num_samples) -> RolloutBatch
+RolloutCallable = Callable[[nnx.State, Any, Any, jax.Array, SamplingParams, int], RolloutBatch]
+
+
+def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh: Mesh | None,
+                 tokenizer) -> RolloutCallable:
+  """``config.rollout.engine``: "static" (one compiled while_loop per batch) or "continuous"."""
+  engine = config.rollout.engine
+  if engine == "static":
+    sampler = Sampler(graphdef, mesh=mesh, rules=shd.SAMPLE_RULES)
+    return sampler.generate
+  if engine == "continuous":
+    from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+    return continuous.make_rollout_fn(graphdef, mesh=mesh, tokenizer=tokenizer,
+                                      max_concurrent_decodes=config.rollout.max_concurrent_decodes,
+                                      max_prefill_length=config.data.max_prompt_length)
+  raise ValueError(f"config.rollout.engine={engine!r}; choose 'static' or 'continuous'.")

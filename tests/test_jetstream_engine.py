@@ -1,0 +1,174 @@
+"""QwenEngine (JetStream Engine API) and dapo-serve: greedy parity, no retrace, gRPC."""
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import grpc  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import portpicker  # pylint: disable=g-import-not-at-top
+from flax import nnx  # pylint: disable=g-import-not-at-top
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
+from jetstream.engine import token_utils  # pylint: disable=g-import-not-at-top
+
+import dapo_jax  # pylint: disable=g-import-not-at-top
+from dapo_jax import serve  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout.sampler import generate  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+from tests import rollout_fixtures  # pylint: disable=g-import-not-at-top
+
+R = 12  # decode capacity of the test engines
+PROMPT = [17, 5, 40, 22, 9, 31, 12]
+NEIGHBOUR = [8, 8, 50, 3, 27, 14, 60, 2, 33, 19, 7]
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+  return rollout_fixtures.tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+  return dapo_jax.load_pretrained(ckpt)
+
+
+def _engine(model, **kw):
+  return je.QwenEngine(model, max_concurrent_decodes=3, max_prefill_length=16,
+                       sampling=SamplingParams(temperature=0.0, max_new_tokens=R), **kw)
+
+
+def _jetstream_pad(ids):
+  """What the orchestrator does to a token request: BOS (our sentinel) + right padding."""
+  return token_utils.pad_tokens(np.asarray(ids), je.NO_TOKEN, 0, max_prefill_length=16)
+
+
+def _greedy_ref(model, ids, max_new_tokens, eos_ids=()):
+  batch = generate(model, jnp.asarray([ids]), jnp.ones((1, len(ids)), bool), jax.random.key(0),
+                   SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                  eos_ids=eos_ids))
+  n = int(batch.lengths[0])
+  return np.asarray(batch.response_ids[0, :n]), np.asarray(batch.logprobs[0, :n])
+
+
+def test_greedy_matches_static_sampler_and_full_forward(model):
+  engine = _engine(model)
+  params, state = engine.load_params(), engine.init_decode_state()
+  # A neighbour decoding in slot 0 sits at another cache index; rows must not interact.
+  padded, n = _jetstream_pad(NEIGHBOUR)
+  state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n), state,
+                        slot=0)
+  for _ in range(3):
+    state, _ = engine.generate(params, state)
+  padded, n = _jetstream_pad(PROMPT)
+  assert padded[0] == je.NO_TOKEN and n == len(PROMPT) + 1
+  state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n), state,
+                        slot=2)
+  results = []
+  for _ in range(engine.cache_length):  # past capacity, to see tokens turn invalid
+    state, res = engine.generate(params, state)
+    results.append(res)
+  tokens, logprobs = je.response_tokens(results, 2)
+  # The slot holds n prompt slots of a 16 + R cache: one valid token per slot left, plus one.
+  assert len(tokens) == engine.cache_length - n + 1
+  assert [int(r.convert_to_numpy().get_result_at_slot(2).lengths[0]) for r in results[:3]] == [
+      1, 2, 3]
+
+  ref_tokens, ref_logprobs = _greedy_ref(model, PROMPT, R)
+  np.testing.assert_array_equal(tokens[:R], ref_tokens)
+  np.testing.assert_allclose(logprobs[:R], ref_logprobs, atol=1e-5)
+  # Teacher-forced full forward: each token is the argmax after the ones before it.
+  seq = np.array(PROMPT + tokens[:-1])
+  logits = np.asarray(model(jnp.asarray(seq[None])))[0, len(PROMPT) - 1:]
+  np.testing.assert_array_equal(logits.argmax(-1), tokens)
+  full_lp = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(len(tokens)), tokens]
+  np.testing.assert_allclose(logprobs, full_lp, atol=1e-4)
+
+
+def test_no_retrace_across_calls_and_engines(model):
+  engine = _engine(model)
+  params, state = engine.load_params(), engine.init_decode_state()
+  padded, n = _jetstream_pad(PROMPT)
+  state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n), state,
+                        slot=1)
+  state, _ = engine.generate(params, state)
+  before = dict(je.TRACE_COUNTS)
+  other = _engine(dapo_jax.load_pretrained(rollout_fixtures.tiny_checkpoint()))
+  state2 = other.init_decode_state()
+  for slot, prompt in enumerate([NEIGHBOUR, PROMPT[:3], [5] * 15]):  # one bucket: 16
+    padded, n = _jetstream_pad(prompt)
+    state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n),
+                          state, slot=slot)
+    state2 = other.insert(other.prefill(params=other.load_params(), padded_tokens=padded,
+                                        true_length=n), state2, slot=slot)
+    for _ in range(2):
+      state, _ = engine.generate(params, state)
+      state2, _ = other.generate(other.load_params(), state2)
+  assert dict(je.TRACE_COUNTS) == before
+
+
+def _decode(stub, request):
+  text, ids = "", []
+  for response in stub.Decode(request):
+    sample = response.stream_content.samples[0]
+    text += sample.text
+    ids += list(sample.token_ids)
+  return text, ids
+
+
+def test_served_by_jetstream_orchestrator_over_grpc(ckpt, model):
+  tokenizer = load_tokenizer(ckpt)
+  port = portpicker.pick_unused_port()
+  server = serve.main(["--checkpoint", ckpt, "--port", str(port), "--max_concurrent_decodes", "2",
+                       "--max_prefill_length", "16", "--max_new_tokens", "16"], block=False)
+  prompts = ["what is 2+3?", "compute 7*8=", "solve x-1=4"]  # 3 requests on 2 slots
+  try:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+      grpc.channel_ready_future(channel).result(timeout=60)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+      text_req = lambda p: jetstream_pb2.DecodeRequest(
+          max_tokens=10, text_content=jetstream_pb2.DecodeRequest.TextContent(text=p))
+      with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        served = list(pool.map(lambda p: _decode(stub, text_req(p)), prompts))
+      token_req = jetstream_pb2.DecodeRequest(
+          max_tokens=10, token_content=jetstream_pb2.DecodeRequest.TokenContent(
+              token_ids=tokenizer.encode(prompts[0])))
+      token_served = _decode(stub, token_req)
+  finally:
+    server.stop()
+  assert not any(t.is_alive() for t in server._driver._all_threads)  # pylint: disable=protected-access
+
+  for prompt, (text, ids) in zip(prompts, served):
+    ref, _ = _greedy_ref(model, tokenizer.encode(prompt), 10, tokenizer.eos_ids)
+    if ref[-1] in tokenizer.eos_ids:  # JetStream does not stream the stop token
+      ref = ref[:-1]
+    assert ids == ref.tolist(), prompt
+    assert text == tokenizer.decode(ref)
+  assert token_served == ("", served[0][1])  # token requests get ids back, no text
+
+
+def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
+  from dapo_jax.checkpoints.orbax import TrainCheckpointer  # pylint: disable=g-import-not-at-top
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  with TrainCheckpointer(tmp_path / "ckpt") as saver:
+    saver.save(7, params, {"mu": jnp.zeros(3)})
+  with pytest.raises(ValueError, match="--model_config"):
+    serve.load_model(str(tmp_path / "ckpt"))
+  restored = serve.load_model(str(tmp_path / "ckpt"), model_config=ckpt)
+  ids = jnp.asarray([PROMPT])
+  np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(model(ids)))
+
+
+def test_engine_rejects_bad_settings(model):
+  with pytest.raises(ValueError, match="prefill buckets"):
+    je.QwenEngine(model, max_prefill_length=100)
+  engine = _engine(model)
+  with pytest.raises(NotImplementedError):
+    engine.prefill(params=engine.load_params(), existing_prefix=object(),
+                   padded_tokens=np.zeros(16, np.int32), true_length=3)
