@@ -1,0 +1,174 @@
+"""Response-token log-probs and entropy, computed without [B, T, V] logits.
+
+The policy loss needs, per response token, `log softmax(z / temperature)` at
+the sampled token and the entropy of that distribution (spec section 4). With
+a 152k vocabulary and 20k-token responses, full fp32 logits of a whole batch
+do not fit in memory. So the model runs to its final hidden states once, and
+a `lax.scan` over chunks of the response computes each chunk's logits,
+reduces them to [B, C] statistics, and drops them. The chunk body is under
+`jax.checkpoint`, so the backward pass recomputes one chunk's logits at a time
+instead of saving all of them. `forward_log_probs` is the no-grad version
+for old and reference log-probs, run in micro-batches.
+
+Shapes: B sequences, L = P + R prompt plus response tokens, R response tokens,
+C chunk length, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dapo_jax import objective
+from dapo_jax.models import default_positions
+from dapo_jax.sharding import constrain
+
+
+def _chunk_stats(h_BxCxD: jax.Array, targets_BxC: jax.Array,
+                 w_DxV: jax.Array, *, temperature: float,
+                 entropy_grad: bool) -> tuple[jax.Array, jax.Array]:
+  """Log-prob of each target and entropy, for one chunk (fp32)."""
+  # Same numerics as Qwen2ForCausalLM.logits_from_hidden: matmul in the
+  # compute dtype, fp32 accumulation.
+  z_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype),
+                       preferred_element_type=jnp.float32)
+  z_BxCxV = constrain(z_BxCxV, ("batch", "length", "act_vocab"))
+  z_BxCxV = z_BxCxV / temperature  # spec 4: rollout temperature.
+  lse_BxC = jax.nn.logsumexp(z_BxCxV, axis=-1)
+  # A masked reduction, not a gather: it stays local when the vocabulary is
+  # split over the tensor axis, and it is exact (adds zeros).
+  vocab_1x1xV = jnp.arange(z_BxCxV.shape[-1], dtype=jnp.int32)[None, None, :]
+  target_BxC = jnp.sum(
+      jnp.where(vocab_1x1xV == targets_BxC[..., None], z_BxCxV, 0.0), axis=-1)
+  # Entropy is a metric unless an entropy bonus is on: no gradient through it
+  # then, so the backward pass does no work for it.
+  z_ent = z_BxCxV if entropy_grad else jax.lax.stop_gradient(z_BxCxV)
+  return target_BxC - lse_BxC, objective.entropy_from_logits(z_ent)
+
+
+def chunked_token_stats(h_BxRxD: jax.Array, w_DxV: jax.Array,
+                        targets_BxR: jax.Array, *, temperature: float = 1.0,
+                        chunk_size: int = 512, entropy_grad: bool = False
+                        ) -> tuple[jax.Array, jax.Array]:
+  """Token log-probs and entropies from hidden states, `chunk_size` at a time.
+
+  Args:
+    h_BxRxD: hidden state that predicts each target (position t-1 for token t).
+    w_DxV: output projection (`model.lm_head_kernel()`).
+    targets_BxR: int token ids.
+    temperature: logits are divided by it (the rollout temperature).
+    chunk_size: sequence positions per chunk; any value >= 1 (the last chunk
+      is padded). Peak extra memory is about 4 x B x chunk_size x V x 4 bytes.
+      0 (or >= R) computes all logits at once (the reference path).
+    entropy_grad: whether gradients flow through the entropy.
+
+  Returns:
+    (log_probs_BxR, entropy_BxR), float32.
+  """
+  stats = functools.partial(_chunk_stats, temperature=temperature,
+                            entropy_grad=entropy_grad)
+  b, r, d = h_BxRxD.shape
+  if chunk_size <= 0 or chunk_size >= r:
+    return stats(h_BxRxD, targets_BxR, w_DxV)
+  n = -(-r // chunk_size)
+  pad = n * chunk_size - r
+  # Zero hidden states and token 0 in the padding: finite, sliced off below.
+  h = jnp.pad(h_BxRxD, ((0, 0), (0, pad), (0, 0)))
+  t = jnp.pad(targets_BxR, ((0, 0), (0, pad)))
+  # Chunks on the leading (scanned) axis; the batch axis keeps its sharding.
+  h_NxBxCxD = jnp.moveaxis(h.reshape(b, n, chunk_size, d), 1, 0)
+  t_NxBxC = jnp.moveaxis(t.reshape(b, n, chunk_size), 1, 0)
+  body = jax.checkpoint(stats)  # Backward recomputes a chunk's logits.
+
+  def step(carry, xs):
+    return carry, body(xs[0], xs[1], w_DxV)
+
+  _, (logp_NxBxC, ent_NxBxC) = jax.lax.scan(step, None, (h_NxBxCxD, t_NxBxC))
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * chunk_size)[:, :r]
+  return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
+
+
+def response_log_probs(model: nnx.Module, input_ids_BxL: jax.Array,
+                       attention_mask_BxL: jax.Array,
+                       positions_BxL: jax.Array | None, response_len: int, *,
+                       temperature: float = 1.0, chunk_size: int = 512,
+                       entropy_grad: bool = False
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Log-probs and entropy of the last `response_len` tokens of each row.
+
+  Rows are a left-padded prompt of fixed length P followed by a right-padded
+  response of length R = `response_len`; token P + t is predicted by the
+  hidden state at P + t - 1.
+
+  Returns:
+    (log_probs_BxR, entropy_BxR), float32; values at response padding are
+    finite but meaningless (mask them).
+  """
+  seq_len = input_ids_BxL.shape[1]
+  prompt_len = seq_len - response_len
+  if prompt_len < 1:
+    raise ValueError(
+        f"input_ids has {seq_len} tokens but the response has {response_len}: "
+        f"each row needs at least one prompt token before the response.")
+  if positions_BxL is None:
+    positions_BxL = default_positions(attention_mask_BxL)
+  h_BxLxD, _ = model.hidden_states(input_ids_BxL, positions_BxL,
+                                   attention_mask_BxL)
+  h_BxRxD = h_BxLxD[:, prompt_len - 1:seq_len - 1]
+  return chunked_token_stats(h_BxRxD, model.lm_head_kernel(),
+                             input_ids_BxL[:, prompt_len:],
+                             temperature=temperature, chunk_size=chunk_size,
+                             entropy_grad=entropy_grad)
+
+
+def split_micro(x: jax.Array, num_micro: int) -> jax.Array:
+  """[B, ...] -> [num_micro, B / num_micro, ...], row i to micro-batch i % n.
+
+  Strided, not blocked: each device's contiguous slice of a batch sharded
+  over the data axes stays on that device in every micro-batch.
+  """
+  b = x.shape[0]
+  if b % num_micro:
+    raise ValueError(f"Batch of {b} rows does not split into {num_micro} "
+                     f"micro-batches; pick a divisor of the batch size.")
+  return jnp.swapaxes(x.reshape(b // num_micro, num_micro, *x.shape[1:]), 0, 1)
+
+
+def merge_micro(x: jax.Array) -> jax.Array:
+  """Inverse of `split_micro`."""
+  n, m = x.shape[:2]
+  return jnp.swapaxes(x, 0, 1).reshape(n * m, *x.shape[2:])
+
+
+def forward_log_probs(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
+                      input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
+                      positions_BxL: jax.Array | None, response_len: int, *,
+                      temperature: float = 1.0, chunk_size: int = 512,
+                      micro_batch_size: int = 0) -> tuple[jax.Array, jax.Array]:
+  """No-grad [B, R] log-probs and entropy (old or reference policy, spec 6.2).
+
+  Runs `micro_batch_size` rows at a time (a `lax.map`; 0: all at once) to bound
+  activation memory.
+  """
+  params = jax.lax.stop_gradient(params)
+  if positions_BxL is None:
+    positions_BxL = default_positions(attention_mask_BxL)
+  rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
+
+  def one(xs):
+    ids, attn, pos = (constrain(x, ("batch", None)) for x in xs)
+    model = nnx.merge(graphdef, params, rest)
+    return response_log_probs(model, ids, attn, pos, response_len, temperature=temperature,
+                              chunk_size=chunk_size)
+
+  b = input_ids_BxL.shape[0]
+  if micro_batch_size <= 0 or micro_batch_size >= b:
+    return one(rows)
+  if b % micro_batch_size:
+    raise ValueError(f"forward_micro_batch_size={micro_batch_size} does not divide the "
+                     f"batch of {b} rows.")
+  out = jax.lax.map(one, tuple(split_micro(x, b // micro_batch_size) for x in rows))
+  return tuple(merge_micro(x) for x in out)

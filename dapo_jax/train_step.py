@@ -1,0 +1,401 @@
+"""One compiled, donated, sharded DAPO update per optimizer mini-batch (spec 6).
+
+    graphdef, state = init_train_state(model, cfg, mesh)
+    step = TrainStep(graphdef, cfg, mesh)            # compiled on first call
+    state, metrics = step(state, batch, rollout_step)
+    forward = LogProbForward(graphdef, cfg, mesh)    # old / reference log-probs
+    old_logp_BxR, entropy_BxR = forward(state.params, ids, mask, response_len)
+
+Inside the step: micro-batch gradient accumulation (a `lax.scan`) with the
+whole mini-batch's loss denominator, so `token-mean` is the exact token mean
+of the mini-batch (spec 4); global-norm clip in fp32; AdamW with the learning
+rate of the rollout step the trainer passes (spec 6.5); non-finite updates
+skipped. Nothing is random (Qwen2.5 has no dropout), so no RNG is carried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dapo_jax import objective as obj
+from dapo_jax import sharding as shd
+from dapo_jax.logprobs import forward_log_probs, response_log_probs, split_micro
+from dapo_jax.models import default_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Loss and optimizer settings of one update; defaults are DAPO's (spec 1, 4, 6)."""
+  num_micro_batches: int = 1  # gradient accumulation steps inside the update
+  temperature: float = 1.0  # rollout temperature: logits / T (spec 4)
+  logit_chunk_size: int = 512  # response positions per logits chunk; 0: unchunked
+  clip_ratio_low: float = 0.2
+  clip_ratio_high: float = 0.28
+  clip_ratio_c: float = 10.0
+  loss_agg_mode: str = obj.TOKEN_MEAN
+  micro_batch_loss: str = "exact"  # "verl": per-micro-batch mean x sequence share (spec 4)
+  use_kl_loss: bool = False  # DAPO: no KL (spec 1)
+  kl_loss_coef: float = 0.001
+  kl_loss_type: str = "low_var_kl"  # k3
+  entropy_coeff: float = 0.0
+  overlong_filter: bool = False  # mask truncated responses out of the loss (spec 2)
+  lr: float = 1e-6
+  warmup_steps: int = 20  # rollout steps (paper 20, verl script 10)
+  warmup_style: str = "paper"  # "verl": lr * s / warmup (0 at step 0), as LambdaLR
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.1  # on every parameter, as torch AdamW in verl
+  max_grad_norm: float = 1.0
+  forward_micro_batch_size: int = 0  # rows per no-grad forward micro-batch; 0: all
+
+  def __post_init__(self):
+    obj.validate_loss_agg_mode(self.loss_agg_mode)
+    obj.validate_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
+    if self.micro_batch_loss not in ("exact", "verl"):
+      raise ValueError(f"micro_batch_loss={self.micro_batch_loss!r}; use 'exact' or 'verl'.")
+    if self.warmup_style not in ("paper", "verl"):
+      raise ValueError(f"warmup_style={self.warmup_style!r}; use 'paper' or 'verl'.")
+    if self.kl_loss_type not in obj.KL_PENALTY_KINDS:
+      raise ValueError(f"kl_loss_type={self.kl_loss_type!r}; use one of {obj.KL_PENALTY_KINDS}.")
+    if self.num_micro_batches < 1 or self.temperature <= 0 or self.logit_chunk_size < 0:
+      raise ValueError("num_micro_batches must be >= 1, temperature > 0, logit_chunk_size >= 0.")
+
+  def replace(self, **overrides) -> "TrainConfig":
+    return dataclasses.replace(self, **overrides)
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything an update changes; donated to the compiled step."""
+  params: nnx.State  # the nnx.Param variables (the only trained state)
+  rest: nnx.State  # any other model state, passed through unchanged
+  opt_state: optax.OptState
+  step: jax.Array  # int32: updates attempted (applied = step - num_skipped)
+  num_skipped: jax.Array  # int32: updates skipped for non-finite values
+
+
+@flax.struct.dataclass
+class TrainBatch:
+  """One optimizer mini-batch. L = P + R: left-padded prompt, right-padded response."""
+  input_ids: jax.Array  # [B, L] int32
+  attention_mask: jax.Array  # [B, L]
+  response_mask: jax.Array  # [B, R], EOS included
+  old_log_probs: jax.Array  # [B, R]
+  advantages: jax.Array  # [B]
+  positions: jax.Array | None = None  # [B, L]; None: default_positions(attention_mask)
+  ref_log_probs: jax.Array | None = None  # [B, R]; needed when use_kl_loss
+  truncated: jax.Array | None = None  # [B] bool; needed when overlong_filter
+
+
+def lr_at(cfg: TrainConfig, rollout_step: jax.Array | int) -> jax.Array:
+  """Learning rate at a 0-based rollout step: linear warmup, then constant (spec 6.5).
+
+  "paper": lr * min(1, (s + 1) / warmup), so step 0 already trains.
+  "verl": lr * min(1, s / warmup), LambdaLR stepped once per rollout step.
+  """
+  s = jnp.asarray(rollout_step, jnp.float32)
+  if cfg.warmup_steps <= 0:
+    return jnp.full((), cfg.lr, jnp.float32)
+  num = s + 1.0 if cfg.warmup_style == "paper" else s
+  return cfg.lr * jnp.clip(num / cfg.warmup_steps, 0.0, 1.0)
+
+
+def _is_var(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules: shd.Rules) -> Any:
+  """NamedShardings from `logical_axes` (params and their optax moments); others replicated."""
+  def one(x):
+    if _is_var(x):
+      names = x.get_metadata().get("logical_axes")
+      spec = PartitionSpec() if names is None else shd.logical_to_spec(
+          names, rules, x.get_value().shape, mesh)
+      return x.replace(NamedSharding(mesh, spec))
+    return NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """optax.adamw without its learning rate, which `train_step` applies per rollout step.
+
+  The global-norm clip runs before it, in fp32, in `train_step`.
+  """
+  return optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+                     optax.add_decayed_weights(cfg.weight_decay))
+
+
+def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None,
+                     rules: shd.Rules = shd.TRAIN_RULES) -> tuple[nnx.GraphDef, TrainState]:
+  """Splits the model once; AdamW moments are created in the params' layout.
+
+  The state holds the model's own arrays (no copy), and `TrainStep` donates
+  them: do not use `model` after the first step; `nnx.merge(graphdef,
+  state.params, state.rest)` is the current model.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  init = make_optimizer(cfg).init
+  if mesh is None:
+    opt_state = jax.jit(init)(params)
+  else:
+    abstract = jax.eval_shape(init, params)
+    opt_state = jax.jit(init, out_shardings=tree_shardings(abstract, mesh, rules))(params)
+  # Two distinct buffers: donation rejects one buffer passed twice.
+  return graphdef, TrainState(params, rest, opt_state, jnp.zeros((), jnp.int32),
+                              jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------
+# Loss and gradients of one mini-batch.
+# ----------------------------------------------------------------------------
+
+
+def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
+  """Loss mask, and per-token inputs with padding zeroed so it cannot leak NaN."""
+  r = batch.response_mask.shape[1]
+  mask_BxR = batch.response_mask.astype(jnp.float32)
+  if cfg.overlong_filter:
+    if batch.truncated is None:
+      raise ValueError("overlong_filter=True needs TrainBatch.truncated.")
+    mask_BxR = obj.apply_overlong_filter(mask_BxR, batch.truncated)
+  on_BxR = mask_BxR > 0
+  on_B = jnp.any(on_BxR, axis=-1)
+  old_BxR = jnp.where(on_BxR, batch.old_log_probs.astype(jnp.float32), 0.0)
+  adv_B = jnp.where(on_B, batch.advantages.astype(jnp.float32), 0.0)
+  finite = jnp.all(jnp.isfinite(old_BxR)) & jnp.all(jnp.isfinite(adv_B))
+  ref_BxR = None
+  if cfg.use_kl_loss:
+    if batch.ref_log_probs is None:
+      raise ValueError("use_kl_loss=True needs TrainBatch.ref_log_probs.")
+    ref_BxR = jnp.where(on_BxR, batch.ref_log_probs.astype(jnp.float32), 0.0)
+    finite &= jnp.all(jnp.isfinite(ref_BxR))
+  positions = batch.positions
+  if positions is None:
+    positions = default_positions(batch.attention_mask)
+  per_row = dict(ids=batch.input_ids, attn=batch.attention_mask, pos=positions, mask=mask_BxR,
+                 old=old_BxR, adv=adv_B)
+  if ref_BxR is not None:
+    per_row["ref"] = ref_BxR
+  return per_row, r, finite
+
+
+def _micro_loss(params, rest, graphdef, cfg: TrainConfig, mb: dict[str, jax.Array],
+                response_len: int, denom: jax.Array, num_seqs: jax.Array):
+  """Loss of one micro-batch, scaled so micro-batch losses sum to the mini-batch loss."""
+  model = nnx.merge(graphdef, params, rest)
+  logp_BxR, ent_BxR = response_log_probs(
+      model, mb["ids"], mb["attn"], mb["pos"], response_len, temperature=cfg.temperature,
+      chunk_size=cfg.logit_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
+  mask_BxR = mb["mask"]
+  if cfg.micro_batch_loss == "exact":
+    den, weight = denom, 1.0  # spec 4: normaliser of the WHOLE mini-batch.
+  else:  # verl's approximation: this micro-batch's own mean x its sequence share.
+    den, weight = None, obj.verl_microbatch_weight(mask_BxR, num_seqs)
+  agg = lambda x: obj.agg_loss(x, mask_BxR, cfg.loss_agg_mode, den) * weight
+  pg_loss, pg_metrics = obj.compute_policy_loss(
+      mb["old"], logp_BxR, mb["adv"], mask_BxR, clip_ratio_low=cfg.clip_ratio_low,
+      clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+      loss_agg_mode=cfg.loss_agg_mode, loss_denominator=den)
+  pg_loss = pg_loss * weight
+  loss = pg_loss
+  n_tok = jnp.sum(mask_BxR)
+  # Masked sums: divided by the mini-batch token count at the end, they give
+  # the exact mini-batch masked means.
+  sums = {k: v * n_tok for k, v in pg_metrics.items()}
+  sums.update(pg_loss=pg_loss, num_tokens=n_tok,
+              entropy=jnp.sum(jax.lax.stop_gradient(ent_BxR) * mask_BxR))
+  if cfg.entropy_coeff != 0.0:
+    loss = loss - cfg.entropy_coeff * agg(ent_BxR)
+  if cfg.use_kl_loss:
+    kl_BxR = obj.kl_penalty(logp_BxR, mb["ref"], cfg.kl_loss_type)
+    loss = loss + cfg.kl_loss_coef * agg(kl_BxR)
+    sums["kl"] = jnp.sum(jax.lax.stop_gradient(kl_BxR) * mask_BxR)
+  sums["loss"] = loss
+  return loss, sums
+
+
+def loss_and_grads(graphdef: nnx.GraphDef, cfg: TrainConfig, params: nnx.State,
+                   rest: nnx.State, batch: TrainBatch, param_shardings: Any = None):
+  """Gradients of the mini-batch loss, accumulated over micro-batches.
+
+  Returns:
+    (grads like params: fp32 when accumulated over micro-batches, else in the
+    params' dtype; metrics dict of scalars; inputs_finite).
+  """
+  per_row, r, finite = _masked_inputs(cfg, batch)
+  mask_BxR = per_row["mask"]
+  denom = obj.loss_denominator(mask_BxR, cfg.loss_agg_mode, r)
+  num_seqs = jnp.sum(jnp.any(mask_BxR > 0, axis=-1).astype(jnp.float32))
+  grad_fn = jax.grad(_micro_loss, has_aux=True)
+  micro = functools.partial(grad_fn, params, rest, graphdef, cfg, response_len=r,
+                            denom=denom, num_seqs=num_seqs)
+  pin = lambda g: g if param_shardings is None else jax.lax.with_sharding_constraint(
+      g, param_shardings)
+
+  n = cfg.num_micro_batches
+  if n == 1:
+    grads, sums = micro(per_row)
+    grads = pin(grads)
+  else:
+    xs = {k: split_micro(v, n) for k, v in per_row.items()}
+
+    def body(carry, mb):
+      mb = {k: shd.constrain(v, ("batch",) + (None,) * (v.ndim - 1)) for k, v in mb.items()}
+      g, s = micro(mb)
+      acc_g, acc_s = carry
+      acc_g = pin(jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc_g, g))
+      return (acc_g, jax.tree.map(jnp.add, acc_s, s)), None
+
+    zeros_g = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    _, zeros_s = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], xs))
+    zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_s)
+    (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s), xs)
+
+  n_tok = sums["num_tokens"]
+  metrics = {k: (v if k in ("loss", "pg_loss", "num_tokens") else v / jnp.maximum(n_tok, 1.0))
+             for k, v in sums.items()}
+  return grads, metrics, finite
+
+
+def train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, state: TrainState, batch: TrainBatch,
+               rollout_step: jax.Array, param_shardings: Any = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on a mini-batch; skipped if anything is non-finite (spec 6.4).
+
+  `rollout_step` is the trainer's 0-based rollout step: every mini-batch of one
+  rollout step gets the same learning rate (warmup counts rollout steps).
+  """
+  grads, metrics, inputs_finite = loss_and_grads(graphdef, cfg, state.params, state.rest, batch,
+                                                 param_shardings)
+  grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                           for g in jax.tree.leaves(grads)))
+  ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"]) & inputs_finite
+  lr = lr_at(cfg, rollout_step)
+  # Global-norm clip on the fp32 gradients (optax's formula), then the params' dtype.
+  scale = jnp.where(grad_norm < cfg.max_grad_norm, 1.0, cfg.max_grad_norm / grad_norm)
+  grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, state.params)
+  updates, new_opt = make_optimizer(cfg).update(grads, state.opt_state, state.params)
+  updates = jax.tree.map(lambda u: -lr * u, updates)
+  new_params = optax.apply_updates(state.params, updates)
+  # A select, not a cond: both branches are already computed and the donated
+  # buffers stay aliased.
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  skipped = jnp.logical_not(ok)
+  new_state = TrainState(params=keep(new_params, state.params), rest=state.rest,
+                         opt_state=keep(new_opt, state.opt_state), step=state.step + 1,
+                         num_skipped=state.num_skipped + skipped.astype(jnp.int32))
+  metrics.update(grad_norm=grad_norm, lr=lr, skipped=skipped.astype(jnp.float32))
+  return new_state, metrics
+
+
+# ----------------------------------------------------------------------------
+# Compiled entry points.
+# ----------------------------------------------------------------------------
+
+
+class _Compiled:
+  """A `jax.jit` per argument structure, with shardings from the mesh rules."""
+
+  def __init__(self, mesh: Mesh | None, rules: shd.Rules):
+    self.mesh, self.rules = mesh, rules
+    self.num_traces = 0  # traces of this object's functions; tests assert no retrace
+    self._jits: dict[Any, Any] = {}
+
+  def _batch_shardings(self, tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: shd.batch_sharding(self.mesh, self.rules, x.ndim, x.shape[0]), tree)
+
+  def _traced(self, fn):
+    """Runs `fn` with activation constraints on (they apply at trace time)."""
+    def wrapped(*args):
+      self.num_traces += 1
+      with shd.activation_sharding(self.mesh, self.rules):
+        return fn(*args)
+    return wrapped
+
+
+class TrainStep(_Compiled):
+  """`step(state, batch, rollout_step) -> (state, metrics)`; `state` is donated."""
+
+  def __init__(self, graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
+               rules: shd.Rules = shd.TRAIN_RULES):
+    super().__init__(mesh, rules)
+    self.graphdef, self.cfg = graphdef, cfg
+
+  def jitted(self, state: TrainState, batch: TrainBatch):
+    """The jitted function for this state / batch structure (`.lower()` it for AOT)."""
+    key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
+    if key not in self._jits:
+      fn = functools.partial(train_step, self.graphdef, self.cfg)
+      if self.mesh is None:
+        self._jits[key] = jax.jit(self._traced(fn), donate_argnums=0)
+      else:
+        state_sh = tree_shardings(state, self.mesh, self.rules)
+        fn = functools.partial(fn, param_shardings=state_sh.params)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._jits[key] = jax.jit(
+            self._traced(fn), donate_argnums=0,
+            in_shardings=(state_sh, self._batch_shardings(batch), replicated),
+            out_shardings=(state_sh, replicated))
+    return self._jits[key]
+
+  def lower(self, state: TrainState, batch: TrainBatch):
+    """Ahead-of-time lowering; `state` and `batch` may hold ShapeDtypeStructs."""
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    return self.jitted(state, batch).lower(state, batch, step)
+
+  def __call__(self, state: TrainState, batch: TrainBatch, rollout_step: int | jax.Array
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    if self.mesh is not None:
+      # Host or differently placed batches are moved first: an argument whose
+      # sharding differs from the last call would make jit trace again.
+      batch = jax.device_put(batch, self._batch_shardings(batch))
+    return self.jitted(state, batch)(state, batch, jnp.asarray(rollout_step, jnp.int32))
+
+
+class LogProbForward(_Compiled):
+  """`forward(params, input_ids, attention_mask, response_len, positions=None)`.
+
+  Old log-probs with the current params, or reference log-probs with the
+  reference params (same graphdef), by the training path (spec 6.2).
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
+               rules: shd.Rules = shd.TRAIN_RULES, rest: nnx.State | None = None):
+    super().__init__(mesh, rules)
+    self.graphdef, self.cfg = graphdef, cfg
+    self.rest = nnx.State({}) if rest is None else rest
+
+  def __call__(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
+               response_len: int, positions_BxL: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
+    key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len))
+    if key not in self._jits:
+      cfg = self.cfg
+      fn = functools.partial(forward_log_probs, self.graphdef, response_len=int(response_len),
+                             temperature=cfg.temperature, chunk_size=cfg.logit_chunk_size,
+                             micro_batch_size=cfg.forward_micro_batch_size)
+      if self.mesh is None:
+        self._jits[key] = jax.jit(self._traced(fn))
+      else:
+        out = shd.batch_sharding(self.mesh, self.rules, 2, input_ids_BxL.shape[0])
+        self._jits[key] = jax.jit(
+            self._traced(fn),
+            in_shardings=(tree_shardings(params, self.mesh, self.rules),
+                          tree_shardings(self.rest, self.mesh, self.rules),
+                          *self._batch_shardings(rows)),
+            out_shardings=(out, out))
+    if self.mesh is not None:
+      rows = jax.device_put(rows, self._batch_shardings(rows))
+    return self._jits[key](params, self.rest, *rows)
