@@ -134,9 +134,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if o.train_batch_size % o.mini_batch_size:
     bad("optim.mini_batch_size", o.mini_batch_size,
         f"must divide optim.train_batch_size={o.train_batch_size}")
-  if (o.mini_batch_size * c.rollout.n) % o.micro_batch_size:
+  rows = o.mini_batch_size * c.rollout.n
+  if o.micro_batch_size <= 0 or (o.micro_batch_size < rows and rows % o.micro_batch_size):
     bad("optim.micro_batch_size", o.micro_batch_size,
-        f"must divide the trajectories of a mini-batch ({o.mini_batch_size} x {c.rollout.n})")
+        f"must divide the {rows} trajectories of a mini-batch ({o.mini_batch_size} x "
+        f"{c.rollout.n}); a value >= {rows} means one micro-batch")
   if c.rollout.n < 1:
     bad("rollout.n", c.rollout.n, "need at least one response per prompt")
   if not 0 < c.rollout.top_p <= 1:

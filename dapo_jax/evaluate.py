@@ -1,0 +1,160 @@
+"""Evaluation: avg@k, unbiased pass@k and maj@k (AIME 2024: avg@32 at temperature 1.0, top-p 0.7).
+
+``Evaluator`` is what the trainer calls every ``eval.every`` steps; ``dapo-eval`` runs it on a
+Hugging Face directory or on a training workdir's latest Orbax checkpoint::
+
+  dapo-eval --checkpoint ~/ckpt/Qwen2.5-32B --dataset aime_2024 --num_samples 1
+  dapo-eval --workdir /tmp/dapo_tiny --config configs/tiny_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from dapo_jax import eval_metrics
+from dapo_jax import experience as exp
+from dapo_jax import run_setup
+from dapo_jax.data.records import MathRecord
+
+_log = logging.getLogger(__name__)
+
+
+def problem_id(record: MathRecord) -> str:
+  """Rows repeating one problem (the AIME file holds each 32x) share an id."""
+  return hashlib.sha1(f"{record.prompt}\x00{record.ground_truth}".encode()).hexdigest()[:12]
+
+
+class Evaluator:
+  """Samples ``eval.num_samples`` answers per row and scores them with the training verifier."""
+
+  def __init__(self, config: ml_collections.ConfigDict, rollout, tokenizer, scorer,
+               records: Sequence[MathRecord]):
+    self.config, self.rollout, self.tokenizer, self.scorer = config, rollout, tokenizer, scorer
+    limit = config.eval.max_examples
+    self.records = list(records[:limit] if limit else records)
+    self.params = run_setup.sampling_params(config, tokenizer, eval_mode=True)
+    self.headline = f"eval/avg@{config.eval.num_samples}"  # the number a run is judged by
+    self.last_rows: list[dict[str, Any]] = []
+    self.last_texts: list[str] = []
+
+  def __call__(self, params_state, step: int = 0) -> dict[str, float]:
+    if not self.records:
+      return {}
+    c = self.config
+    bs, n = c.eval.batch_size, c.eval.num_samples
+    key = jax.random.fold_in(jax.random.key(c.seed + 7919), step)
+    results, texts = [], []
+    for start in range(0, len(self.records), bs):
+      recs = self.records[start:start + bs]
+      padded = recs + [recs[-1]] * (bs - len(recs))  # a fixed shape: one compiled program
+      ids, mask = exp.render_batch(padded, self.tokenizer, c.data.max_prompt_length)
+      out = jax.device_get(self.rollout(params_state, ids, mask, jax.random.fold_in(key, start),
+                                        self.params, n))
+      lengths = np.asarray(out.lengths)[:len(recs) * n]
+      decoded = exp.decode_responses(self.tokenizer, np.asarray(out.response_ids)[:len(recs) * n],
+                                     lengths, self.params.eos_ids)
+      gts = [r.ground_truth for r in recs for _ in range(n)]
+      rewards = self.scorer(decoded, gts, lengths)
+      for i, rec in enumerate(recs):
+        for j in range(n):
+          results.append((problem_id(rec), rewards.pred[i * n + j], bool(rewards.acc[i * n + j])))
+      texts.extend(decoded)
+    summary, rows = eval_metrics.summarize(results)
+    self.last_rows, self.last_texts = rows, texts
+    return {f"eval/{k}": float(v) for k, v in summary.items()}
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="dapo-eval", description=__doc__.split("\n")[0])
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--checkpoint", help="Hugging Face directory (config.json + safetensors).")
+  src.add_argument("--workdir", help="A dapo-train workdir: its config and Orbax checkpoint.")
+  p.add_argument("--step", type=int, default=None, help="Orbax step (default: latest).")
+  p.add_argument("--dataset", default=None,
+                 help="aime_2024, dapo_math_17k, arithmetic or a parquet/JSONL path.")
+  p.add_argument("--data_dir", default=None)
+  p.add_argument("--manual_dir", default=None)
+  p.add_argument("--num_samples", type=int, default=None, help="samples per row (k).")
+  p.add_argument("--temperature", type=float, default=None)
+  p.add_argument("--top_p", type=float, default=None)
+  p.add_argument("--max_response_length", type=int, default=None)
+  p.add_argument("--max_examples", type=int, default=None)
+  p.add_argument("--batch_size", type=int, default=None)
+  p.add_argument("--output", default=None, help="Write the per-problem table as JSON here.")
+  return p.parse_args(argv)
+
+
+def _config_and_params(args):
+  """The run config and sampling-ready params, from a HF directory or a training workdir."""
+  from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints.orbax import load_params_only  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import abstract_model  # pylint: disable=g-import-not-at-top
+  if args.workdir:
+    path = os.path.join(os.path.expanduser(args.workdir), "config.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path} not found: is {args.workdir} a dapo-train workdir?")
+    with open(path) as f:
+      config = ml_collections.ConfigDict(json.load(f))
+  else:
+    config = config_lib.default_config()
+    config.model.checkpoint = args.checkpoint
+    config.model.param_dtype = config.model.dtype = "float32"
+    config.model.remat = "none"
+  e = config.eval
+  for field, value in (("num_samples", args.num_samples), ("temperature", args.temperature),
+                       ("top_p", args.top_p), ("max_examples", args.max_examples),
+                       ("batch_size", args.batch_size)):
+    if value is not None:
+      e[field] = value
+  if args.max_response_length:
+    config.rollout.max_response_length = args.max_response_length
+  for field in ("data_dir", "manual_dir"):
+    if getattr(args, field):
+      config.data[field] = getattr(args, field)
+  tokenizer = run_setup.build_tokenizer(config)
+  if args.workdir:
+    graphdef, abstract = nnx.split(abstract_model(
+        run_setup.model_config(config, tokenizer)))
+    params = load_params_only(os.path.join(os.path.expanduser(args.workdir), "checkpoints"),
+                              args.step, abstract_params=abstract)
+  else:
+    graphdef, params = nnx.split(run_setup.build_model(config, tokenizer, None))
+  return config, tokenizer, graphdef, params
+
+
+def main(argv: Sequence[str]) -> dict[str, float]:
+  args = _parse(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  from dapo_jax.rewards.batch import RewardScorer  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
+  config, tokenizer, graphdef, params = _config_and_params(args)
+  dataset = args.dataset or config.data.eval
+  records = run_setup.load_dataset(dataset, config, "eval")
+  r = config.reward
+  with RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
+                    overlong_buffer_enable=False, timeout_s=r.timeout_s,
+                    num_workers=r.num_workers) as scorer:
+    evaluator = Evaluator(config, Sampler(graphdef).generate, tokenizer, scorer, records)
+    summary = evaluator(params)
+  print(eval_metrics.format_table(evaluator.last_rows))
+  print(json.dumps(summary, indent=2))
+  if args.output:
+    with open(args.output, "w") as f:
+      json.dump({"summary": summary, "problems": evaluator.last_rows}, f, indent=2, default=str)
+  return summary
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+  """Console entry point of ``dapo-eval``."""
+  main(sys.argv[1:] if argv is None else list(argv))

@@ -1,0 +1,148 @@
+"""From prompts to scored groups (the dynamic sampler's ``generate_fn``) and back to arrays.
+
+Host side: prompt rendering, one compiled rollout call per generation batch, one device->host
+copy of its results, decoding and verification. Device side stays inside the sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from dapo_jax import objective as obj
+from dapo_jax.data.pipeline import left_pad, render_prompt
+from dapo_jax.data.records import MathRecord
+from dapo_jax.dynamic_sampling import Group
+from dapo_jax.rewards.batch import RewardScorer
+
+# A rollout callable: (prompt_ids [B,P], prompt_mask [B,P], key, num_samples) -> RolloutBatch-like
+# with numpy-convertible fields response_ids, response_mask, logprobs, lengths, truncated.
+RolloutFn = Callable[[np.ndarray, np.ndarray, jax.Array, int], Any]
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """N = groups x G rows, prompt-major, as host arrays (L = P + R)."""
+  input_ids: np.ndarray  # [N, L] int32
+  attention_mask: np.ndarray  # [N, L] bool
+  response_mask: np.ndarray  # [N, R] bool
+  sampler_logprobs: np.ndarray  # [N, R] float32
+  lengths: np.ndarray  # [N] int32
+  truncated: np.ndarray  # [N] bool
+  reward: np.ndarray  # [N] float32 (shaped)
+  score: np.ndarray  # [N] float32
+  acc: np.ndarray  # [N] bool
+  overlong_penalty: np.ndarray  # [N] float32
+  group_ids: np.ndarray  # [N] int32
+  texts: list[str]
+  prompts: list[str]
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.input_ids.shape[0])
+
+  @property
+  def response_len(self) -> int:
+    return int(self.response_mask.shape[1])
+
+
+def render_batch(records: Sequence[MathRecord], tokenizer, max_prompt_length: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded prompt ids at the fixed width ``max_prompt_length`` (no retrace per batch)."""
+  ids = [render_prompt(r, tokenizer, max_prompt_length) for r in records]
+  return left_pad(ids, tokenizer.pad_id, length=max_prompt_length)
+
+
+def decode_responses(tokenizer, response_ids: np.ndarray, lengths: np.ndarray,
+                     eos_ids: Sequence[int]) -> list[str]:
+  """Response texts without the stop token (the verifier reads the answer, not <eos>)."""
+  out = []
+  stop = set(int(e) for e in eos_ids)
+  for row, n in zip(response_ids, lengths):
+    toks = [int(t) for t in row[:int(n)]]
+    if toks and toks[-1] in stop:
+      toks = toks[:-1]
+    out.append(tokenizer.decode(toks))
+  return out
+
+
+def make_generate_fn(rollout: RolloutFn, tokenizer, scorer: RewardScorer, *, num_samples: int,
+                     max_prompt_length: int, eos_ids: Sequence[int],
+                     key_fn: Callable[[], jax.Array]) -> Callable[[list[MathRecord]], list[Group]]:
+  """The ``generate_fn`` of ``DynamicSampler``: rollout, decode, score, group (spec 5)."""
+
+  def generate(records: list[MathRecord]) -> list[Group]:
+    prompt_ids, prompt_mask = render_batch(records, tokenizer, max_prompt_length)
+    out = rollout(prompt_ids, prompt_mask, key_fn(), num_samples)
+    out = jax.device_get(out)  # the one device->host copy of this generation batch
+    resp = np.asarray(out.response_ids)
+    lengths = np.asarray(out.lengths)
+    texts = decode_responses(tokenizer, resp, lengths, eos_ids)
+    gts = [r.ground_truth for r in records for _ in range(num_samples)]
+    rewards = scorer(texts, gts, lengths)
+    groups = []
+    g = num_samples
+    for i, rec in enumerate(records):
+      sl = slice(i * g, (i + 1) * g)
+      payload = dict(
+          prompt_ids=np.repeat(prompt_ids[i:i + 1], g, axis=0),
+          prompt_mask=np.repeat(prompt_mask[i:i + 1], g, axis=0).astype(bool),
+          response_ids=resp[sl], response_mask=np.asarray(out.response_mask)[sl].astype(bool),
+          logprobs=np.asarray(out.logprobs)[sl].astype(np.float32), lengths=lengths[sl],
+          truncated=np.asarray(out.truncated)[sl].astype(bool), texts=texts[sl],
+          score=rewards.score[sl], penalty=rewards.overlong_penalty[sl],
+          num_errors=rewards.num_errors if i == 0 else 0,
+          num_timeouts=rewards.num_timeouts if i == 0 else 0)
+      groups.append(Group(prompt=rec, acc=rewards.acc[sl], reward=rewards.reward[sl],
+                          payload=payload))
+    return groups
+
+  return generate
+
+
+def groups_to_trajectories(groups: Sequence[Group]) -> Trajectories:
+  """Concatenates groups (prompt-major) into the arrays the train step reads."""
+  if not groups:
+    raise ValueError("No groups to train on.")
+  p = [grp.payload for grp in groups]
+  cat = lambda k: np.concatenate([x[k] for x in p], axis=0)
+  prompt_ids, prompt_mask = cat("prompt_ids"), cat("prompt_mask")
+  response_ids, response_mask = cat("response_ids"), cat("response_mask")
+  group_ids = np.concatenate([np.full(grp.size, i, np.int32) for i, grp in enumerate(groups)])
+  return Trajectories(
+      input_ids=np.concatenate([prompt_ids, response_ids], axis=1).astype(np.int32),
+      attention_mask=np.concatenate([prompt_mask, response_mask], axis=1),
+      response_mask=response_mask, sampler_logprobs=cat("logprobs"), lengths=cat("lengths"),
+      truncated=cat("truncated"), reward=np.concatenate([grp.reward for grp in groups]),
+      score=cat("score"), acc=np.concatenate([grp.acc for grp in groups]),
+      overlong_penalty=cat("penalty"), group_ids=group_ids,
+      texts=[t for x in p for t in x["texts"]], prompts=[grp.prompt.prompt for grp in groups])
+
+
+def compute_advantages(traj: Trajectories, norm_adv_by_std: bool = True) -> np.ndarray:
+  """GRPO outcome advantages from the shaped rewards (spec 3), one per row."""
+  num_groups = int(traj.group_ids.max()) + 1
+  adv = obj.compute_grpo_outcome_advantage(traj.reward, traj.group_ids, num_groups=num_groups,
+                                           norm_adv_by_std=norm_adv_by_std)
+  return np.asarray(adv, np.float32)
+
+
+def rollout_metrics(traj: Trajectories, *, max_response_length: int, buffer_len: int
+                    ) -> dict[str, float]:
+  """Response statistics a DAPO researcher reads every step (spec 2 and 5)."""
+  lengths = traj.lengths.astype(np.float32)
+  expected = max_response_length - buffer_len
+  return {
+      "train/reward_mean": float(traj.reward.mean()),
+      "train/score_mean": float(traj.score.mean()),
+      "train/acc_mean": float(traj.acc.mean()),
+      "train/overlong_penalty_mean": float(traj.overlong_penalty.mean()),
+      "response/response_length_mean": float(lengths.mean()),
+      "response/response_length_max": float(lengths.max()),
+      "response/response_length_min": float(lengths.min()),
+      "response/in_overlong_buffer": float((lengths > expected).mean()),
+      "response/truncated": float(traj.truncated.mean()),
+  }

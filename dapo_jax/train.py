@@ -1,0 +1,232 @@
+"""``train_and_evaluate(config, workdir)``: the DAPO loop (spec 6), resumable from ``workdir``.
+
+One rollout step: dynamic sampling over generation batches (rollout + rewards), GRPO advantages,
+old log-probs by the training forward, then ``train_batch_size / mini_batch_size`` compiled
+updates per PPO epoch. Validation every ``eval.every`` steps, a checkpoint every
+``checkpoint.save_every`` steps; a run restarted on the same ``workdir`` continues where the
+last checkpoint left off (same data order, same random keys).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from dapo_jax import config as config_lib
+from dapo_jax import evaluate as eval_lib
+from dapo_jax import experience as exp
+from dapo_jax import run_setup
+from dapo_jax import sft
+from dapo_jax.checkpoints.orbax import TrainCheckpointer
+from dapo_jax.data.pipeline import PromptIterator
+from dapo_jax.dynamic_sampling import DynamicSampler, DynamicSamplingError
+from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves
+from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.rollout.factory import make_rollout
+from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
+
+_log = logging.getLogger(__name__)
+
+
+class NonFiniteUpdatesError(RuntimeError):
+  """Too many consecutive skipped (non-finite) updates; the last good checkpoint is kept."""
+
+
+def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, float]:
+  ms = jax.device_get(ms)
+  return {f"actor/{k}": float(np.mean([float(m[k]) for m in ms])) for k in ms[0]}
+
+
+def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
+                  rows_per_update: int):
+  for s in range(0, traj.num_rows, rows_per_update):
+    sl = slice(s, s + rows_per_update)
+    yield TrainBatch(
+        input_ids=jnp.asarray(traj.input_ids[sl]),
+        attention_mask=jnp.asarray(traj.attention_mask[sl]),
+        response_mask=jnp.asarray(traj.response_mask[sl]),
+        old_log_probs=jnp.asarray(old_logp[sl]), advantages=jnp.asarray(adv[sl]),
+        truncated=jnp.asarray(traj.truncated[sl]))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
+  config_lib.validate(config)
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  mesh = run_setup.build_mesh(config)
+  tokenizer = run_setup.build_tokenizer(config)
+  model = run_setup.build_model(config, tokenizer, mesh)
+  _log.info(run_setup.describe(config, model))
+  train_records = run_setup.load_dataset(config.data.train, config, "train")
+  eval_records = (run_setup.load_dataset(config.data.eval, config, "eval")
+                  if config.data.eval else [])
+  sampler_graphdef, _ = nnx.split(model)
+  rollout = make_rollout(config, sampler_graphdef, mesh, tokenizer)
+  tcfg = run_setup.train_config(config)
+  graphdef, state = init_train_state(model, tcfg, mesh)
+  del model
+  step_fn = TrainStep(graphdef, tcfg, mesh)
+  logp_fn = LogProbForward(graphdef, tcfg, mesh, rest=state.rest)
+
+  iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
+                            process_index=jax.process_index(),
+                            process_count=jax.process_count())
+  ckpt = TrainCheckpointer(os.path.join(workdir, "checkpoints"),
+                           max_to_keep=config.checkpoint.max_to_keep,
+                           async_save=config.checkpoint.async_save)
+  base_key = jax.random.key(config.seed)
+  # Rollout keys depend only on (seed, step, generation batch): a resumed run draws the same.
+  counter = {"step": 0, "gen": 0}
+
+  def key_fn():
+    counter["gen"] += 1
+    return jax.random.fold_in(jax.random.fold_in(base_key, 1 + counter["step"]), counter["gen"])
+
+  r = config.reward
+  scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
+                        overlong_buffer_len=r.overlong_buffer_len,
+                        overlong_penalty_factor=r.overlong_penalty_factor,
+                        overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
+                        num_workers=r.num_workers)
+  params = run_setup.sampling_params(config, tokenizer)
+  generate_fn = exp.make_generate_fn(
+      lambda ids, mask, key, n: rollout(state.params, ids, mask, key, params, n), tokenizer,
+      scorer, num_samples=config.rollout.n, max_prompt_length=config.data.max_prompt_length,
+      eos_ids=params.eos_ids, key_fn=key_fn)
+  sampler = DynamicSampler(
+      generate_fn, train_batch_size=config.optim.train_batch_size,
+      max_num_gen_batches=config.algorithm.max_num_gen_batches if
+      config.algorithm.dynamic_sampling else 0,
+      keep_surplus=config.algorithm.keep_surplus, enable=config.algorithm.dynamic_sampling)
+
+  start_step = 0
+  evaluator = eval_lib.Evaluator(config, rollout, tokenizer, scorer, eval_records)
+  restored = ckpt.restore(abstract_params=state.params, abstract_opt_state=state.opt_state)
+  result: dict[str, float] = {}
+  if restored is not None:
+    params_r, opt_r, meta = restored
+    state = state.replace(params=params_r, opt_state=opt_r,
+                          step=jnp.asarray(meta["update_step"], jnp.int32),
+                          num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
+    iterator.set_state(meta["iterator"])
+    sampler.load_state_dict(meta["sampler"])
+    start_step = int(meta["step"])
+    _log.info("Resumed from %s at step %d.", ckpt.directory, start_step)
+  # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
+  writer = MetricsWriter(workdir, resume_step=start_step if restored is not None else -1)
+  if restored is None:
+    before: dict[str, float] = {}
+    if config.sft.steps:
+      state, before = sft.warm_start(config, graphdef, state, tokenizer, train_records, mesh)
+      # A fresh optimizer for DAPO on the warm-started weights.
+      state = init_train_state(nnx.merge(graphdef, state.params, state.rest), tcfg, mesh)[1]
+    if eval_records and config.eval.every:
+      before.update(evaluator(state.params))
+    if before:
+      writer.write_scalars(0, before)
+      result.update(before)
+
+  consecutive_skips = 0
+  rows_per_update = config.optim.mini_batch_size * config.rollout.n
+  progress = ProgressBar(config.num_steps, initial=start_step, fields={
+      "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
+      "eval": evaluator.headline})
+  for step in range(start_step, config.num_steps):
+    counter.update(step=step, gen=0)
+    timer = Timer()
+    with timer("rollout"):
+      try:
+        groups, ds_stats = sampler.sample(iterator)
+      except DynamicSamplingError as err:
+        ckpt.save(step, state.params, state.opt_state, _meta(step, state, iterator, sampler),
+                  force=True)
+        ckpt.close()
+        raise RuntimeError(f"Dynamic sampling failed at step {step}: {err} A checkpoint of "
+                           f"step {step} was written; {len(err.groups)} accumulated groups "
+                           "are in the exception.") from err
+      traj = exp.groups_to_trajectories(groups)
+      adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
+    with timer("old_logprob"):
+      if config.rollout.use_sampler_logprobs:
+        old_logp, entropy = traj.sampler_logprobs, None
+      else:
+        old_logp, entropy = logp_fn(state.params, jnp.asarray(traj.input_ids),
+                                    jnp.asarray(traj.attention_mask), traj.response_len)
+        old_logp = np.asarray(old_logp)
+    with timer("update"):
+      updates = []
+      for _ in range(config.optim.ppo_epochs):
+        for batch in _mini_batches(traj, adv, old_logp, rows_per_update):
+          state, m = step_fn(state, batch, step)
+          updates.append(m)
+      metrics = _mean_metrics(updates)
+    skipped = int(round(metrics["actor/skipped"] * len(updates)))
+    consecutive_skips = consecutive_skips + skipped if skipped == len(updates) else 0
+    metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
+                                       buffer_len=config.reward.overlong_buffer_len))
+    metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
+    if not config.rollout.use_sampler_logprobs:
+      # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
+      # update is silently off-policy (verl logs the same as rollout_probs_diff).
+      m = traj.response_mask
+      metrics["rollout/logprob_diff_max"] = float(
+          np.abs(np.where(m, traj.sampler_logprobs - old_logp, 0.0)).max())
+    if entropy is not None:
+      mask = traj.response_mask
+      metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
+    metrics["reward/verifier_errors"] = float(sum(g.payload["num_errors"] for g in groups))
+    metrics["reward/verifier_timeouts"] = float(sum(g.payload["num_timeouts"] for g in groups))
+    metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
+    total = sum(timer.totals.values())
+    metrics["time/step"] = total
+    metrics["perf/trained_tokens_per_s"] = float(traj.response_mask.sum()) / max(
+        timer.totals.get("update", 1e-9), 1e-9)
+    metrics["perf/rollout_tokens_per_s"] = float(
+        ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
+    if eval_records and config.eval.every and (step + 1) % config.eval.every == 0:
+      metrics.update(evaluator(state.params, step=step + 1))
+    writer.write_scalars(step + 1, metrics)
+    writer.write_texts(step + 1, {f"sample_{i}": f"{traj.prompts[i // config.rollout.n]!r} -> "
+                                  f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
+                                  for i in range(0, min(traj.num_rows, config.num_sample_texts
+                                                        * config.rollout.n), config.rollout.n)})
+    progress.update(step + 1, metrics)
+    result = metrics
+    if consecutive_skips >= config.optim.max_consecutive_skips:
+      ckpt.close()
+      raise NonFiniteUpdatesError(
+          f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
+          f"The last good checkpoint (step {ckpt.latest_step()}) is kept.")
+    if (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.num_steps:
+      ckpt.save(step + 1, state.params, state.opt_state,
+                _meta(step + 1, state, iterator, sampler))
+  progress.close()
+  ckpt.close()
+  if eval_records and config.eval.every and not any(k.startswith("eval/") for k in result):
+    final = evaluator(state.params, step=config.num_steps)
+    writer.write_scalars(config.num_steps, final)
+    result.update(final)
+  writer.close()
+  plot_curves(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "curves.png"))
+  with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  scorer.close()
+  return result
+
+
+def _meta(step: int, state, iterator: PromptIterator, sampler: DynamicSampler) -> dict:
+  return {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
+          "iterator": iterator.get_state(), "sampler": sampler.state_dict()}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sourced by the other launch scripts: creates ./.venv on first use and installs dapo_jax into it.
+#   source launch/setup_env.sh [test]     # "test" adds the [test] extra (pytest, torch CPU, ...)
+# Re-running is cheap: pip only installs what is missing.
+set -euo pipefail
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_extra="${1:-}"
+_py="${PYTHON:-python3}"
+if [ ! -x "$_root/.venv/bin/python" ]; then
+  echo "[setup_env] creating $_root/.venv with $($_py --version)"
+  "$_py" -m venv "$_root/.venv"
+  "$_root/.venv/bin/python" -m pip install -q --upgrade pip
+fi
+# shellcheck disable=SC1091
+source "$_root/.venv/bin/activate"
+_spec="$_root"
+[ -n "$_extra" ] && _spec="$_root[$_extra]"
+echo "[setup_env] pip install -e '$_spec'"
+python -m pip install -q -e "$_spec"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
+export TOKENIZERS_PARALLELISM=false

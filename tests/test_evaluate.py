@@ -1,0 +1,78 @@
+"""Evaluation: scripted answers give hand-computed avg@k / pass@k / maj@k; the CLI runs."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from dapo_jax import config as config_lib
+from dapo_jax import evaluate
+from dapo_jax.char_tokenizer import CharTokenizer
+from dapo_jax.data import arithmetic
+from dapo_jax.rewards.batch import RewardScorer
+
+
+def _scripted_rollout(tokenizer, answers_per_prompt, width=16):
+  """A rollout that answers prompt i (in call order) with the scripted strings."""
+  calls = {"n": 0}
+
+  def rollout(params, ids, mask, key, sampling, n):
+    del params, mask, key, sampling
+    rows, lengths = [], []
+    for b in range(ids.shape[0]):
+      script = answers_per_prompt[min(calls["n"] + b, len(answers_per_prompt) - 1)]
+      for j in range(n):
+        toks = tokenizer.encode(script[j]) + [tokenizer.eos_id]
+        rows.append(toks + [tokenizer.pad_id] * (width - len(toks)))
+        lengths.append(len(toks))
+    calls["n"] += ids.shape[0]
+    resp = np.asarray(rows, np.int32)
+    return types.SimpleNamespace(response_ids=resp, lengths=np.asarray(lengths, np.int32))
+
+  return rollout
+
+
+def test_evaluator_matches_hand_computed_metrics():
+  tok = CharTokenizer()
+  records = arithmetic.make_records(3, split="test", seed=0)
+  gts = [r.ground_truth for r in records]
+  wrong = lambda gt: f"Answer: {int(gt) + 1}"
+  right = lambda gt: f"Answer: {gt}"
+  # Problem 0: 4/4 right; problem 1: 1/4 right; problem 2: 0/4 right (same wrong answer).
+  script = [[right(gts[0])] * 4,
+            [wrong(gts[1]), right(gts[1]), wrong(gts[1]), wrong(gts[1])],
+            [wrong(gts[2])] * 4]
+  c = config_lib.default_config()
+  c.eval.update(num_samples=4, batch_size=2, max_examples=0)
+  c.data.max_prompt_length = 16
+  c.rollout.max_response_length = 16
+  with RewardScorer("strict", max_response_length=16, overlong_buffer_enable=False) as scorer:
+    ev = evaluate.Evaluator(c, _scripted_rollout(tok, script), tok, scorer, records)
+    out = ev(params_state=None)
+  assert out["eval/num_problems"] == 3 and out["eval/num_samples"] == 12
+  assert out["eval/avg@4"] == pytest.approx((1 + 0.25 + 0) / 3)
+  assert out["eval/pass@1"] == pytest.approx((1 + 0.25 + 0) / 3)
+  # pass@2 for 1 of 4 correct: 1 - C(3,2)/C(4,2) = 0.5
+  assert out["eval/pass@2"] == pytest.approx((1 + 0.5 + 0) / 3)
+  assert out["eval/pass@4"] == pytest.approx(2 / 3)
+  assert out["eval/maj@4"] == pytest.approx(1 / 3)  # only problem 0's majority is right
+  assert [r["correct"] for r in ev.last_rows] == [4, 1, 0]
+
+
+def test_dapo_eval_cli_on_hf_checkpoint(tmp_path):
+  pytest.importorskip("torch")
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  ckpt = hf_fixtures.write_tiny_qwen2(str(tmp_path / "ckpt"), vocab_size=64)
+  CharTokenizer().save(ckpt)  # the fixture model speaks the char vocabulary
+  data = tmp_path / "eval.jsonl"
+  from dapo_jax.data.loaders import write_rows  # pylint: disable=g-import-not-at-top
+  write_rows(arithmetic.make_rows(5, split="test"), str(data))
+  out = tmp_path / "table.json"
+  summary = evaluate.main(["--checkpoint", ckpt, "--dataset", str(data), "--num_samples", "2",
+                           "--max_response_length", "8", "--batch_size", "4",
+                           "--output", str(out)])
+  assert summary["eval/num_problems"] == 5 and summary["eval/num_samples"] == 10
+  assert 0.0 <= summary["eval/avg@2"] <= summary["eval/pass@2"] <= 1.0
+  table = json.load(open(out))
+  assert len(table["problems"]) == 5
