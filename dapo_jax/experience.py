@@ -146,3 +146,31 @@ def rollout_metrics(traj: Trajectories, *, max_response_length: int, buffer_len:
       "response/in_overlong_buffer": float((lengths > expected).mean()),
       "response/truncated": float(traj.truncated.mean()),
   }
+
+
+# Carried surplus groups (dynamic sampling's keep_surplus) go into the checkpoint's JSON meta.
+_PAYLOAD_DTYPES = {"prompt_ids": np.int32, "prompt_mask": bool, "response_ids": np.int32,
+                   "response_mask": bool, "logprobs": np.float32, "lengths": np.int32,
+                   "truncated": bool, "score": np.float32, "penalty": np.float32}
+
+
+def sampler_state_to_json(state: dict[str, Any]) -> dict[str, Any]:
+  """``DynamicSampler.state_dict()`` with records and arrays as JSON values."""
+  carried = []
+  for g in state["carried"]:
+    payload = {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+               for k, v in g["payload"].items()}
+    carried.append({"prompt": dataclasses.asdict(g["prompt"]), "acc": g["acc"].tolist(),
+                    "reward": g["reward"].tolist(), "payload": payload})
+  return {**state, "carried": carried}
+
+
+def sampler_state_from_json(state: dict[str, Any]) -> dict[str, Any]:
+  """The inverse of `sampler_state_to_json`."""
+  carried = []
+  for g in state["carried"]:
+    payload = {k: (np.asarray(v, _PAYLOAD_DTYPES[k]) if k in _PAYLOAD_DTYPES else v)
+               for k, v in g["payload"].items()}
+    carried.append({"prompt": MathRecord(**g["prompt"]), "acc": np.asarray(g["acc"], bool),
+                    "reward": np.asarray(g["reward"], np.float32), "payload": payload})
+  return {**state, "carried": carried}

@@ -120,7 +120,8 @@ class MetricsWriter:
     values = {k: _to_float(k, v) for k, v in scalars.items()}
     if self._tb is not None:
       for k, v in values.items():
-        self._tb.add_scalar(k, v, step)
+        # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/avg@4" becomes "eval/avg_at_4".
+        self._tb.add_scalar(k.replace("@", "_at_"), v, step)
     if self._jsonl is not None:
       if self._pending is not None and self._pending["step"] != step:
         self._emit()
@@ -271,9 +272,10 @@ def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
 
   ``panels``: a metric name or glob per panel, or ``(title, [globs])``; default `DEFAULT_PANELS`.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # No display on a training host.
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # The object-oriented API draws without a display and leaves the process's pyplot backend
+  # alone (a notebook's inline figures keep working after a run).
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   rows = read_jsonl(jsonl_path)
   names = sorted({k for r in rows for k in r if k != "step"})
@@ -289,7 +291,9 @@ def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
 
   ncols = min(ncols, len(drawn))
   nrows = math.ceil(len(drawn) / ncols)
-  fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.4 * nrows), squeeze=False)
+  fig = Figure(figsize=(5 * ncols, 3.4 * nrows))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(nrows, ncols, squeeze=False)
   for ax, (title, keys) in zip(axes.flat, drawn):
     for k in keys:
       pts = [(r["step"], r[k]) for r in rows if k in r]
@@ -305,5 +309,4 @@ def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
     ax.axis("off")
   fig.tight_layout()
   fig.savefig(os.fspath(out_png), dpi=100)
-  plt.close(fig)
   return [t for t, _ in drawn]

@@ -122,7 +122,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                           step=jnp.asarray(meta["update_step"], jnp.int32),
                           num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
     iterator.set_state(meta["iterator"])
-    sampler.load_state_dict(meta["sampler"])
+    sampler.load_state_dict(exp.sampler_state_from_json(meta["sampler"]))
     start_step = int(meta["step"])
     _log.info("Resumed from %s at step %d.", ckpt.directory, start_step)
   # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
@@ -229,4 +229,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _meta(step: int, state, iterator: PromptIterator, sampler: DynamicSampler) -> dict:
   return {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
-          "iterator": iterator.get_state(), "sampler": sampler.state_dict()}
+          "iterator": iterator.get_state(),
+          "sampler": exp.sampler_state_to_json(sampler.state_dict())}

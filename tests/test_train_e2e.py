@@ -88,3 +88,30 @@ def test_dapo_train_cli_two_steps(tmp_path):
     assert key in last, key
   assert os.path.getsize(os.path.join(workdir, "curves.png")) > 1000
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
+
+
+def test_carried_surplus_groups_round_trip_through_json():
+  from dapo_jax import experience as exp  # pylint: disable=g-import-not-at-top
+  from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
+  from dapo_jax.dynamic_sampling import DynamicSampler, Group  # pylint: disable=g-import-not-at-top
+  rec = arithmetic.make_records(1)[0]
+  payload = dict(prompt_ids=np.arange(6, dtype=np.int32).reshape(2, 3),
+                 prompt_mask=np.ones((2, 3), bool), response_ids=np.ones((2, 4), np.int32),
+                 response_mask=np.array([[1, 1, 0, 0], [1, 1, 1, 1]], bool),
+                 logprobs=np.full((2, 4), -0.5, np.float32), lengths=np.array([2, 4], np.int32),
+                 truncated=np.array([False, True]), texts=["a", "b"],
+                 score=np.array([1, -1], np.float32), penalty=np.zeros(2, np.float32),
+                 num_errors=0, num_timeouts=0)
+  sampler = DynamicSampler(lambda p: [], train_batch_size=1, keep_surplus=True)
+  sampler.load_state_dict({"version": 1, "carried": [
+      {"prompt": rec, "acc": np.array([True, False]), "reward": np.array([1.0, -1.0]),
+       "payload": payload}]})
+  js = json.loads(json.dumps(exp.sampler_state_to_json(sampler.state_dict())))
+  back = exp.sampler_state_from_json(js)["carried"][0]
+  assert back["prompt"] == rec
+  for k, v in payload.items():
+    if isinstance(v, np.ndarray):
+      assert back["payload"][k].dtype == v.dtype and (back["payload"][k] == v).all(), k
+  sampler.load_state_dict(exp.sampler_state_from_json(js))
+  traj = exp.groups_to_trajectories([Group(**back)])
+  assert traj.num_rows == 2
