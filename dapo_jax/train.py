@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -42,8 +43,45 @@ class NonFiniteUpdatesError(RuntimeError):
 
 
 def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, float]:
-  ms = jax.device_get(ms)
   return {f"actor/{k}": float(np.mean([float(m[k]) for m in ms])) for k in ms[0]}
+
+
+class _StopRequest:
+  """SIGTERM (a preempted VM, `scancel`, `kill`) asks the loop to checkpoint and exit cleanly.
+
+  The handler only sets a flag: the current update finishes, the state is saved at the step
+  reached, and the next launch on the same workdir resumes from it. On several processes JAX's
+  preemption notice (`reached_preemption_sync_point`) is honoured too, at the same step on all.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous = {}
+
+  def install(self) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      return  # signal handlers can only be set from the main thread (e.g. not in a notebook)
+    for sig in (signal.SIGTERM,):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+    _log.warning("Received signal %d: finishing this step, then checkpointing and exiting.",
+                 signum)
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def requested(self, step: int) -> bool:
+    if self.signum is not None:
+      return True
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    return False
 
 
 def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
@@ -140,6 +178,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       result.update(before)
 
   consecutive_skips = 0
+  stop = _StopRequest()
+  stop.install()
+  stopped_at = None
   rows_per_update = config.optim.mini_batch_size * config.rollout.n
   progress = ProgressBar(config.num_steps, initial=start_step, fields={
       "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
@@ -172,9 +213,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         for batch in _mini_batches(traj, adv, old_logp, rows_per_update):
           state, m = step_fn(state, batch, step)
           updates.append(m)
+      updates = jax.device_get(updates)
       metrics = _mean_metrics(updates)
-    skipped = int(round(metrics["actor/skipped"] * len(updates)))
-    consecutive_skips = consecutive_skips + skipped if skipped == len(updates) else 0
+    for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
+      consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
     metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
                                        buffer_len=config.reward.overlong_buffer_len))
     metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
@@ -210,11 +252,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       raise NonFiniteUpdatesError(
           f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
           f"The last good checkpoint (step {ckpt.latest_step()}) is kept.")
-    if (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.num_steps:
+    preempted = stop.requested(step + 1)
+    if (preempted or (step + 1) % config.checkpoint.save_every == 0
+        or step + 1 == config.num_steps):
       ckpt.save(step + 1, state.params, state.opt_state,
                 _meta(step + 1, state, iterator, sampler))
+    if preempted:
+      stopped_at = step + 1
+      _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with the "
+                   "same --workdir to resume.", stopped_at, ckpt.directory)
+      break
+  stop.restore()
   progress.close()
   ckpt.close()
+  if stopped_at is not None:
+    writer.close()
+    scorer.close()
+    return {**result, "stopped_at_step": float(stopped_at)}
   if eval_records and config.eval.every and not any(k.startswith("eval/") for k in result):
     final = evaluator(state.params, step=config.num_steps)
     writer.write_scalars(config.num_steps, final)
