@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
-source launch/setup_env.sh
+source launch/setup_env.sh runtime
 workdir="workdirs/tiny_cpu"
 args=()
 while [ $# -gt 0 ]; do

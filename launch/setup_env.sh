@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Sourced by the other launch scripts: creates ./.venv on first use and installs dapo_jax into it.
-#   source launch/setup_env.sh [test]     # "test" adds the [test] extra (pytest, torch CPU, ...)
+#   source launch/setup_env.sh runtime    # the package and its run-time dependencies
+#   source launch/setup_env.sh test       # plus the [test] extra (pytest, torch CPU, ...)
+# The argument is required: a sourced script otherwise sees its caller's arguments as "$1".
 # Re-running is cheap: pip only installs what is missing.
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_extra="${1:-}"
+case "${1:-}" in
+  runtime) _extra="" ;;
+  test) _extra="test" ;;
+  *) echo "usage: source launch/setup_env.sh runtime|test (got '${1:-}')" >&2; return 2 ;;
+esac
 _py="${PYTHON:-python3}"
 if [ ! -x "$_root/.venv/bin/python" ]; then
   echo "[setup_env] creating $_root/.venv with $($_py --version)"
