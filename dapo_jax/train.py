@@ -30,7 +30,7 @@ from dapo_jax import sft
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.dynamic_sampling import DynamicSampler, DynamicSamplingError
-from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves
+from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves, read_jsonl
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
@@ -278,6 +278,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(result, f, indent=2)
   scorer.close()
+  evals = [r[evaluator.headline] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+           if r.get(evaluator.headline) is not None]
+  if evals:
+    _log.info("Held-out %s: %.3f at the start of RL -> %.3f after %d steps. Curves: %s",
+              evaluator.headline, evals[0], evals[-1], config.num_steps,
+              os.path.join(workdir, "curves.png"))
   return result
 
 
