@@ -1,22 +1,81 @@
 """Attention kernels chosen by platform, with the plain XLA einsum path as the reference.
 
-``mask_BxTxS`` is a boolean mask (True = attend). Fully masked rows (left-padding queries) give
-a uniform distribution instead of NaN; their outputs are never used.
+    out_BxTxHxE = dot_product_attention(q, k, v, mask, impl="auto")
+
+``impl`` names the kernel of a full-sequence pass (training, prefill: T == S, query t at key
+slot t): "xla" (two einsums, any backend), "cudnn" (cuDNN flash attention through
+``jax.nn.dot_product_attention``; NVIDIA GPUs, bf16/fp16), "splash" (the Pallas TPU splash kernel,
+``jax.experimental.pallas.ops.tpu.splash_attention``) or "auto" (cudnn on GPU, splash on TPU where
+the shapes allow, else xla). A step over a KV cache (T < S) is bandwidth-bound and always takes the
+einsum path (``decode_attention`` for one token), whatever ``impl`` says.
+
+Fully masked query rows (left-padding queries) give finite values that are never used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
+import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from dapo_jax import sharding as shd
+from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
+
+_SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence
+_INTERPRET = contextvars.ContextVar("dapo_jax_pallas_interpret", default=False)
 
 
-def resolve_impl(impl: str) -> str:
-  """Maps "auto" to the best implementation for the default backend."""
+@flax.struct.dataclass
+class Mask:
+  """Which keys each query attends to.
+
+  ``dense_BxTxS`` is the full boolean mask (True = attend). When ``causal`` is set, it is exactly
+  ``tril(T, S) & key_valid_BxS[:, None, :]`` with T == S: the structure the fused kernels take
+  (a causal kernel plus per-token segment ids or a bias), so they never read the dense mask.
+  """
+  dense_BxTxS: jax.Array
+  key_valid_BxS: jax.Array
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+@contextlib.contextmanager
+def interpret_pallas():
+  """Runs the Pallas kernels (splash) in interpret mode, so tests can run them on CPU."""
+  token = _INTERPRET.set(True)
+  try:
+    yield
+  finally:
+    _INTERPRET.reset(token)
+
+
+def _splash_block(seq_len: int | None) -> int | None:
+  return next((b for b in _SPLASH_BLOCKS if seq_len and seq_len % b == 0), None)
+
+
+def _cudnn_fits(dtype, seq_len: int | None, head_dim: int | None) -> bool:
+  """cuDNN flash attention: bf16/fp16, head dim a multiple of 8 (<= 128), even length."""
+  return (dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 128))
+          and (seq_len is None or seq_len % 2 == 0))
+
+
+def resolve_impl(impl: str, *, platform: str | None = None, dtype=None,
+                 seq_len: int | None = None, head_dim: int | None = None) -> str:
+  """The kernel a full-sequence pass uses: an explicit name as given, "auto" by platform."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention_impl={impl!r}; choose one of {IMPLS}.")
   if impl != "auto":
     return impl
-  platform = jax.default_backend()
-  if platform == "gpu":
+  platform = platform or jax.default_backend()
+  if platform in ("gpu", "cuda") and _cudnn_fits(dtype, seq_len, head_dim):
     return "cudnn"
+  if platform == "tpu" and _splash_block(seq_len):
+    return "splash"
   return "xla"
 
 
@@ -33,11 +92,117 @@ def xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
   return out.reshape(b, t, h, e)
 
 
-def dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, *, impl: str = "xla"):
-  impl = resolve_impl(impl)
+def decode_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
+  """Attention of a few new tokens over a [B, S, K, E] cache, read once in place.
+
+  Products and sums instead of einsums: a dot with batch dims (b, k) split around S made XLA
+  transpose the whole cache of every layer on every step (one full copy per token); these
+  reductions read each cache entry once where it lies. Scores and softmax in fp32.
+  """
+  b, t, h, e = q_BxTxHxE.shape
+  kh = k_BxSxKxE.shape[2]
+  f32 = jnp.float32
+  q_BxTx1xKxGxE = q_BxTxHxE.reshape(b, t, 1, kh, h // kh, e).astype(f32)
+  k_Bx1xSxKx1xE = k_BxSxKxE[:, None, :, :, None, :].astype(f32)
+  s_BxTxSxKxG = jnp.sum(q_BxTx1xKxGxE * k_Bx1xSxKx1xE, axis=-1) * (e ** -0.5)
+  s_BxTxSxKxG = jnp.where(mask_BxTxS[..., None, None], s_BxTxSxKxG, jnp.finfo(f32).min)
+  p_BxTxSxKxG = jax.nn.softmax(s_BxTxSxKxG, axis=2)
+  v_Bx1xSxKx1xE = v_BxSxKxE[:, None, :, :, None, :].astype(f32)
+  out_BxTxKxGxE = jnp.sum(p_BxTxSxKxG[..., None] * v_Bx1xSxKx1xE, axis=2)
+  return out_BxTxKxGxE.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
+
+
+def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):
+  """cuDNN flash attention; the causal flag lets it skip the blocks above the diagonal."""
+  if jax.default_backend() != "gpu":
+    raise RuntimeError(f"attention_impl='cudnn' needs an NVIDIA GPU, but the backend is "
+                       f"{jax.default_backend()!r}; use 'auto' or 'xla'.")
+  if jnp.dtype(q_BxTxHxE.dtype) not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"attention_impl='cudnn' needs bf16/fp16 compute, got {q_BxTxHxE.dtype}; "
+                     f"set model.dtype='bfloat16' or use 'auto'.")
+  # The padding part of the mask becomes a bias (cuDNN has no left-padding mask type).
+  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE,
+                                      mask=mask.dense_BxTxS[:, None], is_causal=mask.causal,
+                                      implementation="cudnn")
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(seq_len: int, num_heads: int, block: int, interpret: bool):
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        use_fused_bwd_kernel=True)
+  mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len))] * num_heads)
+  # Concrete mask tables even when first built inside a trace, so the cache holds no tracer.
+  # Residuals named "attention", so a remat policy can keep them (see qwen2.REMAT_POLICIES).
+  with jax.ensure_compile_time_eval():
+    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              residual_checkpoint_name="attention", interpret=interpret)
+
+
+def _head_and_batch_specs(b: int, h: int, kh: int):
+  """shard_map specs of [B, heads, L, E] under the active activation mesh, or None without one.
+
+  Heads split over the tensor axis only when both H and K divide, so each shard keeps whole
+  query groups with their kv head.
+  """
+  ctx = shd._ACTIVATION_CTX.get()  # pylint: disable=protected-access
+  if ctx is None or ctx.mesh.size == 1:
+    return None
+  batch = shd.logical_to_spec(("batch",), ctx.rules, (b,), ctx.mesh)[0]
+  heads = shd.logical_to_spec(("act_heads",), ctx.rules, (h,), ctx.mesh)[0]
+  kv_heads = shd.logical_to_spec(("act_heads",), ctx.rules, (kh,), ctx.mesh)[0]
+  if kv_heads != heads:
+    heads = None
+  return ctx.mesh, PartitionSpec(batch, heads, None, None), PartitionSpec(batch, None)
+
+
+def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, key_valid_BxS, *,
+                     interpret: bool | None = None):
+  """Causal GQA through the Pallas TPU splash kernel; padding as segment ids (0 pad, 1 real).
+
+  A padding query attends to padding keys only: finite, and never read.
+  """
+  interpret = _INTERPRET.get() if interpret is None else interpret
+  b, t, h, e = q_BxTxHxE.shape
+  kh = k_BxSxKxE.shape[2]
+  if not interpret and jax.default_backend() != "tpu":
+    raise RuntimeError(f"attention_impl='splash' is a TPU kernel, but the backend is "
+                       f"{jax.default_backend()!r}; use 'auto' or 'xla' (tests: interpret_pallas).")
+  block = _splash_block(t)
+  if block is None or k_BxSxKxE.shape[1] != t:
+    raise ValueError(f"attention_impl='splash' needs T == S, a multiple of 128; got T={t}, "
+                     f"S={k_BxSxKxE.shape[1]}. Use 'auto' to fall back to 'xla' there.")
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+  # Splash does not scale the scores: scale q first (as MaxText does).
+  q_BxHxTxE = (q_BxTxHxE * (e ** -0.5)).astype(q_BxTxHxE.dtype).transpose(0, 2, 1, 3)
+  k_BxKxSxE, v_BxKxSxE = (x.transpose(0, 2, 1, 3) for x in (k_BxSxKxE, v_BxSxKxE))
+  seg_BxS = key_valid_BxS.astype(jnp.int32)
+  specs = _head_and_batch_specs(b, h, kh)
+
+  def run(q, k, v, seg):
+    kernel = _splash_kernel(t, q.shape[1], block, interpret)
+    return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=SegmentIds(a[3], a[3])))(q, k, v, seg)
+
+  if specs is not None:
+    mesh, heads_spec, seg_spec = specs
+    run = jax.shard_map(run, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, seg_spec),
+                        out_specs=heads_spec, check_vma=False)
+  return run(q_BxHxTxE, k_BxKxSxE, v_BxKxSxE, seg_BxS).transpose(0, 2, 1, 3)
+
+
+def dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask, *, impl: str = "xla"):
+  """Attention of q over k/v with ``impl`` (see the module docstring); output like q."""
+  t, e = q_BxTxHxE.shape[1], q_BxTxHxE.shape[3]
+  if not mask.causal:  # a step over a KV cache: bandwidth-bound, no fused kernel applies
+    if t == 1:
+      return decode_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
+    return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
+  impl = resolve_impl(impl, dtype=q_BxTxHxE.dtype, seq_len=t, head_dim=e)
   if impl == "xla":
-    return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS)
+    return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
   if impl == "cudnn":
-    return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE,
-                                        mask=mask_BxTxS[:, None], implementation="cudnn")
-  raise NotImplementedError(f"attention_impl={impl!r} is not available on this platform.")
+    return cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask)
+  return splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.key_valid_BxS)

@@ -10,7 +10,8 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# Per-layer remat (qwen2.REMAT_POLICIES): what the backward pass keeps from each layer's forward.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attn")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 
 

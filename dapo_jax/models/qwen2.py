@@ -13,6 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dapo_jax.models import attention
 from dapo_jax.models.config import Qwen2Config
@@ -111,7 +112,8 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.impl = cfg.attention_impl
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, layer_cache=None, index_B=None):
+  def __call__(self, x_BxTxD, positions_BxT, mask: attention.Mask, layer_cache=None,
+               index_B=None):
     dtype = x_BxTxD.dtype
     q = apply_rope(self.q_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
     k = apply_rope(self.k_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
@@ -123,8 +125,9 @@ class Attention(nnx.Module):
       new_cache = (k, v)
     else:
       new_cache = None
-    out_BxTxHxE = attention.dot_product_attention(q, k.astype(dtype), v.astype(dtype),
-                                                  mask_BxTxS, impl=self.impl)
+    out_BxTxHxE = attention.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask,
+                                                  impl=self.impl)
+    out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
     return self.o_proj(out_BxTxHxE, dtype), new_cache
 
 
@@ -168,10 +171,19 @@ def _layer_apply(layer, x, positions, mask, layer_cache, index):
   return layer(x, positions, mask, layer_cache, index)
 
 
-_REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+_policies = jax.checkpoint_policies
+# What each decoder layer keeps for the backward pass (config.remat); the rest is recomputed.
+REMAT_POLICIES = {
+    "none": None,  # no remat: everything is kept
+    "full": _policies.nothing_saveable,  # only the layer input
+    "dots": _policies.checkpoint_dots,  # every matmul, attention's [T, S] scores included
+    # The weight matmuls (q/k/v/o, gate/up/down), not the attention scores: "save matmuls".
+    "dots_no_batch": _policies.checkpoint_dots_with_no_batch_dims,
+    # ... plus the attention output and the splash kernel's residuals (named "attention"), so a
+    # flash kernel's forward is not run again in the backward pass.
+    "dots_attn": _policies.save_from_both_policies(
+        _policies.checkpoint_dots_with_no_batch_dims,
+        _policies.save_only_these_names("attention")),
 }
 
 
@@ -241,17 +253,20 @@ class Qwen2ForCausalLM(nnx.Module):
       key_valid_BxS = jax.vmap(write)(cache.valid, attention_mask_BxT, cache.index)
     s = key_valid_BxS.shape[1]
     causal_BxTxS = jnp.arange(s)[None, None, :] <= q_slot_BxT[:, :, None]
-    mask_BxTxS = causal_BxTxS & key_valid_BxS[:, None, :]
+    # T == S: a full pass (a cache this long is written from slot 0), query t at key slot t, so
+    # the fused kernels apply; T < S is a step over the cache.
+    mask = attention.Mask(causal_BxTxS & key_valid_BxS[:, None, :], key_valid_BxS,
+                          causal=t == s)
 
     x = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("batch", "length", "act_embed"))
     layer_fn = _layer_apply
     if cfg.remat != "none" and cache is None:
-      layer_fn = nnx.remat(_layer_apply, policy=_REMAT_POLICIES[cfg.remat])
+      layer_fn = nnx.remat(_layer_apply, policy=REMAT_POLICIES[cfg.remat])
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, upd = layer_fn(layer, x, positions_BxT, mask_BxTxS, layer_cache,
+      x, upd = layer_fn(layer, x, positions_BxT, mask, layer_cache,
                         None if cache is None else cache.index)
       if upd is not None:
         new_k.append(upd[0])

@@ -1,0 +1,199 @@
+"""Attention kernels by platform (dapo_jax.models.attention): selection, errors, numerics.
+
+The splash kernel runs in Pallas interpret mode on CPU, against the XLA einsum reference.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dapo_jax import sharding as shd
+from dapo_jax.models import attention, create_model, get_preset
+
+B, T, H, K, E = 2, 128, 4, 2, 32
+
+
+def _qkv(seed=0, t=T, s=T, dtype=jnp.float32):
+  rng = np.random.RandomState(seed)
+  q = jnp.asarray(rng.randn(B, t, H, E), dtype)
+  k = jnp.asarray(rng.randn(B, s, K, E), dtype)
+  v = jnp.asarray(rng.randn(B, s, K, E), dtype)
+  return q, k, v
+
+
+def _causal_mask(valid_BxT):
+  valid = jnp.asarray(valid_BxT)
+  t = valid.shape[1]
+  dense = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+  return attention.Mask(dense, valid, causal=True)
+
+
+def _padded_valid():
+  """Row 0 left-padded (a prompt), row 1 left- and right-padded (prompt + short response)."""
+  valid = np.ones((B, T), bool)
+  valid[0, :9] = False
+  valid[1, :3] = False
+  valid[1, 100:] = False
+  return valid
+
+
+@pytest.mark.parametrize("platform,dtype,seq_len,want", [
+    ("gpu", jnp.bfloat16, 4096, "cudnn"),
+    ("gpu", jnp.float32, 4096, "xla"),  # cuDNN flash attention is bf16/fp16 only
+    ("gpu", jnp.bfloat16, 7, "xla"),  # odd length
+    ("tpu", jnp.bfloat16, 4096, "splash"),
+    ("tpu", jnp.float32, 384, "splash"),
+    ("tpu", jnp.bfloat16, 100, "xla"),  # not a multiple of the 128 splash tile
+    ("cpu", jnp.bfloat16, 4096, "xla"),
+])
+def test_auto_picks_kernel_by_platform(platform, dtype, seq_len, want):
+  assert attention.resolve_impl("auto", platform=platform, dtype=dtype, seq_len=seq_len,
+                                head_dim=64) == want
+
+
+def test_explicit_names_pass_and_unknown_names_raise():
+  for name in ("xla", "cudnn", "splash"):
+    assert attention.resolve_impl(name, platform="cpu") == name
+  with pytest.raises(ValueError, match="attention_impl='flash'"):
+    attention.resolve_impl("flash")
+
+
+def test_forced_accelerator_kernels_raise_clear_errors_on_cpu():
+  q, k, v = _qkv()
+  mask = _causal_mask(np.ones((B, T), bool))
+  with pytest.raises(RuntimeError, match="cudnn.*needs an NVIDIA GPU"):
+    attention.dot_product_attention(q, k, v, mask, impl="cudnn")
+  with pytest.raises(RuntimeError, match="splash.*TPU kernel"):
+    attention.dot_product_attention(q, k, v, mask, impl="splash")
+  q, k, v = _qkv(t=100, s=100)
+  with attention.interpret_pallas(), pytest.raises(ValueError, match="multiple of 128"):
+    attention.dot_product_attention(q, k, v, _causal_mask(np.ones((B, 100), bool)),
+                                    impl="splash")
+
+
+def _loss(impl, valid):
+  def f(q, k, v):
+    out = attention.dot_product_attention(q, k, v, _causal_mask(valid), impl=impl)
+    w = jnp.asarray(valid, jnp.float32)[:, :, None, None]  # padding queries are never read
+    return jnp.sum(jnp.sin(out) * w), out
+  return f
+
+
+def test_splash_matches_xla_with_gqa_and_padding():
+  q, k, v = _qkv()
+  valid = _padded_valid()
+  with attention.interpret_pallas():
+    (_, out), grads = jax.jit(jax.value_and_grad(_loss("splash", valid), (0, 1, 2),
+                                                 has_aux=True))(q, k, v)
+  (_, ref), ref_grads = jax.value_and_grad(_loss("xla", valid), (0, 1, 2), has_aux=True)(q, k, v)
+  np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5)
+
+
+def test_splash_bf16_forward_close_to_fp32_reference():
+  q, k, v = _qkv(seed=5)
+  valid = _padded_valid()
+  bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  with attention.interpret_pallas():
+    out = jax.jit(lambda *a: _loss("splash", valid)(*a)[1])(*bf16)
+  ref = attention.xla_attention(q, k, v, _causal_mask(valid).dense_BxTxS)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32)[valid], np.asarray(ref)[valid],
+                             atol=3e-2)
+
+
+def test_splash_under_a_mesh_is_shard_mapped_and_matches():
+  """Batch over data x fsdp, heads over tensor: the kernel runs per shard (shard_map)."""
+  mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=jax.devices()[:4])
+  q, k, v = _qkv(seed=1)
+  valid = _padded_valid()
+
+  def run(q, k, v):
+    with shd.activation_sharding(mesh, shd.TRAIN_RULES):
+      return attention.dot_product_attention(q, k, v, _causal_mask(valid), impl="splash")
+
+  with attention.interpret_pallas():
+    lowered = jax.jit(run).lower(q, k, v)
+    out = lowered.compile()(q, k, v)
+  assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+  ref = attention.xla_attention(q, k, v, _causal_mask(valid).dense_BxTxS)
+  np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
+
+
+def test_decode_attention_matches_einsum_reference():
+  q, k, v = _qkv(seed=2, t=1, s=40)
+  mask_Bx1xS = jnp.asarray(np.random.RandomState(3).rand(B, 1, 40) > 0.3)
+  mask = attention.Mask(mask_Bx1xS, mask_Bx1xS[:, 0], causal=False)
+  for impl in attention.IMPLS:  # a step over a cache takes the decode path whatever impl says
+    out = attention.dot_product_attention(q, k, v, mask, impl=impl)
+    np.testing.assert_allclose(np.asarray(out),
+                               np.asarray(attention.xla_attention(q, k, v, mask_Bx1xS)),
+                               atol=1e-5)
+
+
+def test_model_forward_with_splash_matches_xla():
+  """The model wires the structured mask through remat to the kernel: same logits."""
+  cfg = get_preset("test", remat="full", num_hidden_layers=1)
+  ref_model = create_model(cfg, seed=0)
+  splash_model = create_model(cfg.replace(attention_impl="splash"), seed=0)
+  valid = _padded_valid()
+  ids = jnp.asarray(np.random.RandomState(4).randint(1, cfg.vocab_size, (B, T)))
+  with attention.interpret_pallas():
+    out = jax.jit(lambda m, i: m(i, attention_mask_BxT=valid))(splash_model, ids)
+  ref = ref_model(ids, attention_mask_BxT=valid)
+  np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-4)
+
+
+def test_kv_cache_decode_step_never_copies_the_cache():
+  """One token over a [B, S, K, E] cache: no transpose or copy of a cache-sized array."""
+  model = create_model(get_preset("test"), seed=0)
+  graphdef, state = nnx.split(model)
+  n, s = 8, 96
+  cache = model.init_cache(n, s)
+
+  def step(state, cache, tok_N, pos_N):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m(tok_N[:, None], pos_N[:, None], jnp.ones((n, 1), bool), cache)
+    return logits, cache
+
+  args = (state, cache, jnp.zeros((n,), jnp.int32), jnp.full((n,), 5, jnp.int32))
+  hlo = jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
+  cache_elems = int(np.prod(cache.k[0].shape))
+  big_copies = [m.group(0) for m in re.finditer(r"\w+\[([\d,]+)\]\{[^}]*\} (transpose|copy)\(",
+                                                hlo)
+                if np.prod([int(d) for d in m.group(1).split(",")]) >= cache_elems]
+  assert not big_copies, big_copies
+
+
+def test_sampler_and_engine_prefill_through_the_kernel_decode_through_the_cache(monkeypatch):
+  """attention_impl reaches the static sampler's and the JetStream engine's prefill; their
+  one-token steps stay on the cache path."""
+  from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import sampler, sampling  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def fake_splash(q, k, v, key_valid_BxS, interpret=None):
+    del interpret
+    calls.append(q.shape[1])
+    return attention.xla_attention(q, k, v, _causal_mask(key_valid_BxS).dense_BxTxS)
+
+  monkeypatch.setattr(attention, "splash_attention", fake_splash)
+  model = create_model(get_preset("test", attention_impl="splash", num_hidden_layers=1), seed=0)
+  ids = jnp.asarray(np.random.RandomState(6).randint(1, 100, (2, T)), jnp.int32)
+  graphdef, params = nnx.split(model)
+  out = sampler.Sampler(graphdef, cache_segments=1).generate(
+      params, ids, jnp.ones(ids.shape, bool), jax.random.key(0),
+      sampling.SamplingParams(max_new_tokens=2))
+  assert int(out.num_steps) == 2 and calls == [T]  # the prefill only
+  calls.clear()
+  engine = je.QwenEngine(model, max_concurrent_decodes=2, max_prefill_length=T,
+                         sampling=sampling.SamplingParams(temperature=0.0, max_new_tokens=2))
+  state = engine.insert(engine.prefill(params=engine.load_params(), padded_tokens=ids[0],
+                                       true_length=50), engine.init_decode_state(), slot=0)
+  engine.generate(engine.load_params(), state)
+  assert calls == [T]
