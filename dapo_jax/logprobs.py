@@ -70,6 +70,8 @@ def chunked_token_stats(h_BxRxD: jax.Array, w_DxV: jax.Array,
   """
   stats = functools.partial(_chunk_stats, temperature=temperature,
                             entropy_grad=entropy_grad)
+  # Cast once, not in every chunk (fp32 master weights of a bf16-compute model).
+  w_DxV = w_DxV.astype(h_BxRxD.dtype)
   b, r, d = h_BxRxD.shape
   if chunk_size <= 0 or chunk_size >= r:
     return stats(h_BxRxD, targets_BxR, w_DxV)
