@@ -81,6 +81,35 @@ def jax_generate_fn(model, ids: np.ndarray, new_tokens: int):
   return run
 
 
+def matmul_bound_fn(model, batch: int, new_tokens: int):
+  """The decode's dense matmuls ALONE (no attention, norms, RoPE, sampling, cache writes).
+
+  Same weights and [B, D] shapes as each decode step, chained so XLA keeps every product:
+  its time is a floor for any decode of this model on this CPU, and `3 x generate` can be
+  checked against it in the same run.
+  """
+  d = model.config.hidden_size
+  weights = []
+  for layer in model.layers:
+    a, m = layer.self_attn, layer.mlp
+    weights.append((a.q_proj.kernel[...].reshape(d, -1), a.k_proj.kernel[...].reshape(d, -1),
+                    a.v_proj.kernel[...].reshape(d, -1), a.o_proj.kernel[...].reshape(-1, d),
+                    m.gate_proj.kernel[...], m.up_proj.kernel[...], m.down_proj.kernel[...]))
+  head = model.lm_head_kernel()
+
+  @jax.jit
+  def steps(x_BxD):
+    def body(_, x):
+      for wq, wk, wv, wo, wg, wu, wd in weights:
+        q = x @ wq
+        x = x + (q @ wo) + jnp.sum(x @ wk, -1, keepdims=True) + jnp.sum(x @ wv, -1, keepdims=True)
+        x = x + ((x @ wg) * (x @ wu)) @ wd
+      return x + jnp.sum(x @ head, -1, keepdims=True) * 1e-6
+    return jax.lax.fori_loop(0, new_tokens - 1, body, x_BxD)
+  x = jnp.ones((batch, model.config.hidden_size), jnp.float32) * 1e-3
+  return lambda: steps(x).block_until_ready()
+
+
 def once(fn) -> float:
   t = time.perf_counter()
   fn()
@@ -114,6 +143,8 @@ def main():
         "transformers generate (default threads)": hf_generate_fn(ckpt, ids, r),
         "transformers generate (1 torch thread)": hf_generate_fn(ckpt, ids, r, threads=1),
         "dapo_jax Sampler": jax_generate_fn(dapo_jax.load_pretrained(ckpt), ids, r),
+        "floor: the decode's matmuls alone": matmul_bound_fn(dapo_jax.load_pretrained(ckpt),
+                                                             b, r),
     }
     for fn in engines.values():
       fn()  # warm-up (and compile)
@@ -129,6 +160,11 @@ def main():
     pairs = statistics.median(h / o for h, o in zip(ts, ours_t))
     print(f"| {name} | {b * r / min(ts):,.0f} | {b * r / statistics.median(ts):,.0f} | "
           f"{pairs:.2f}x, {min(ts) / min(ours_t):.2f}x |")
+  floor = min(times["floor: the decode's matmuls alone"])
+  hf = min(times["transformers generate (default threads)"])
+  print(f"\n3x the best `generate` is {3 * b * r / hf:,.0f} tok/s; the matmul floor allows at most "
+        f"{b * r / floor:,.0f} tok/s ({hf / floor:.2f}x `generate`); dapo_jax reaches "
+        f"{floor / min(ours_t):.0%} of the floor's speed.")
 
   if args.wide_hidden:
     utilisation(args.wide_hidden, b, p, r, args.repeats)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dapo_jax import objective as obj
 from dapo_jax import sharding as shd
 from dapo_jax.logprobs import forward_log_probs, response_log_probs, split_micro
-from dapo_jax.models import default_positions
+from dapo_jax.models import cast_params, default_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,18 +140,6 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """
   return optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
                      optax.add_decayed_weights(cfg.weight_decay))
-
-
-def cast_params(params: nnx.State, dtype: str | jnp.dtype) -> nnx.State:
-  """Floating-point params in `dtype` (others as they are); a no-op where already so.
-
-  With fp32 master weights, a rollout reads half the bytes per decode step from a
-  `cast_params(state.params, model.config.param_dtype)` copy made once per rollout step.
-  """
-  dtype = jnp.dtype(dtype)
-  def one(x):
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
-  return jax.tree.map(one, params)
 
 
 def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None,

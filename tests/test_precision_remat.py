@@ -103,3 +103,23 @@ def test_cast_params_for_rollout():
   half = ts.cast_params(state.params, "bfloat16")
   assert {x.dtype for x in jax.tree.leaves(half)} == {jnp.dtype(jnp.bfloat16)}
   assert jax.tree.structure(half) == jax.tree.structure(state.params)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_samplers_read_fp32_master_weights_as_the_model_dtype(engine):
+  """A bf16 model's fp32 master copy samples exactly as its own bf16 weights do."""
+  from dapo_jax.rollout import Sampler, SamplingParams  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout.continuous import ContinuousSampler  # pylint: disable=g-import-not-at-top
+  cfg = get_preset("test").replace(param_dtype="bfloat16", dtype="bfloat16")
+  graphdef, state = nnx.split(create_model(cfg))
+  master = ts.cast_params(state, "float32")
+  assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
+  ids = np.random.RandomState(0).randint(1, cfg.vocab_size, (2, 5)).astype(np.int32)
+  mask = np.ones_like(ids, bool)
+  params = SamplingParams(temperature=1.0, max_new_tokens=6)
+  sampler = (Sampler(graphdef) if engine == "static"
+             else ContinuousSampler(graphdef, num_slots=2, chunk_steps=4))
+  out = [sampler.generate(s, ids, mask, jax.random.key(3), params, num_samples=2)
+         for s in (state, master)]
+  np.testing.assert_array_equal(out[0].response_ids, out[1].response_ids)
+  np.testing.assert_array_equal(out[0].logprobs, out[1].logprobs)

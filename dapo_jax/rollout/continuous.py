@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
+from dapo_jax.models.init import cast_params
 from dapo_jax.rollout import jetstream_engine as je
 from dapo_jax.rollout.sampler import RolloutBatch
 from dapo_jax.rollout.sampling import SamplingParams
@@ -233,6 +234,8 @@ class ContinuousSampler:
     p = je.prefill_bucket(longest)
     if self.mesh is not None:
       state = jax.device_put(state, shd.state_shardings(state, self.mesh, shd.SAMPLE_RULES))
+    # fp32 master weights of a bf16 model: cast once per rollout, not on every decode step.
+    state = cast_params(state, nnx.merge(self.graphdef, state).config.jnp_param_dtype)
     static = dict(graphdef=self.graphdef, params=params, mesh=self.mesh)
     slots = _init_program(state, graphdef=self.graphdef, num_slots=n_slots,
                           cache_length=p + r_max)
