@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 from dapo_jax import experience
 from dapo_jax import train as train_lib
+from tests import fault_report
 from tests.test_train_e2e import ROOT, TINY, _small_config
 
 _SMALL_FLAGS = [
@@ -42,7 +43,11 @@ def test_sigterm_checkpoints_the_current_step_and_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, "-m", "dapo_jax.main", f"--config={TINY}", f"--workdir={workdir}",
          "--config.num_steps=1000", *_SMALL_FLAGS]
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  # The resumed launch reads its programs from the first launch's compile cache.
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 300
@@ -61,6 +66,10 @@ def test_sigterm_checkpoints_the_current_step_and_resumes(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert resume.returncode == 0, resume.stdout[-3000:] + resume.stderr[-3000:]
   assert _steps(workdir) == list(range(1, stopped + 2))
+  assert f"at step {stopped}." in resume.stdout + resume.stderr  # resumed from that checkpoint
+  fault_report.record("sigterm", {"signals": 1, "exit_code": proc.returncode,
+                                  "checkpoint_step": ckpts[0], "stopped_at_step": stopped,
+                                  "steps_lost": 0})
 
 
 def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_path,
@@ -98,6 +107,10 @@ def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_
   ckpts = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
   assert ckpts[-1] == 5
   assert all(np.isfinite(np.asarray(x)).all() for x in _params(workdir, 5))
+  fault_report.record("non_finite", {"poisoned_updates": 2 * len(poisoned_steps),
+                                     "skipped_and_counted": rows[6]["actor/skipped_total"],
+                                     "finite_updates_after_a_skip": 2,
+                                     "stopped_after_consecutive": 6, "kept_checkpoint": 5})
 
 
 def test_stop_request_across_processes(monkeypatch):

@@ -56,7 +56,10 @@ def _worker_main(conn, preload: Sequence[str], memory_limit_mb: int | None,
   if memory_limit_mb:
     import resource  # pylint: disable=g-import-not-at-top  (POSIX only)
     limit = int(memory_limit_mb) * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+      resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ValueError, OSError):  # macOS refuses RLIMIT_AS; the deadline still bounds time
+      pass
   for module in preload:
     importlib.import_module(module)
   if warmup is not None:
