@@ -2,11 +2,11 @@
 
 Four kills land provably inside an Orbax write (`tests/kill_target.py` stalls the write of a
 chosen step, at the array/JSON items or just before the commit, and the kill follows); the other
-six at a uniformly random moment of the step period after the run has saved two new steps. One more fault: before
-one relaunch the newest checkpoint is truncated, so the resume must fall back to the previous
-step with a warning. Every relaunch must resume from the newest complete, readable step (never a
-partial one), and the final parameters and per-step metrics must equal those of an uninterrupted
-run bit for bit.
+six at a uniformly random moment of one step period, once the run has saved two new steps. One
+more fault: before one relaunch the newest checkpoint is truncated, so the resume must fall back
+to the previous step with a warning. Every relaunch must resume from the newest complete,
+readable step (never a partial one), and the final parameters and per-step metrics must equal
+those of an uninterrupted run bit for bit.
 """
 
 import json
@@ -156,7 +156,7 @@ def test_random_sigkills_resume_bit_exact(tmp_path):
     complete = _complete_steps(killed)
     expected_resume = max((s for s in complete if s != corrupted), default=0)
     tmp_before = _tmp_dirs(killed)
-    extra = {}
+    extra, stage = {}, None
     if kind == "write":
       stall_step = expected_resume + rng.randint(1, 2)
       stage = rng.choice(("items", "commit"))
@@ -190,7 +190,7 @@ def test_random_sigkills_resume_bit_exact(tmp_path):
     if kind == "write":  # provably mid-write: the stalled step's tmp dir is left, uncommitted
       assert f"{stall_step}{kill_target.TMP_SUFFIX}" in new_tmp, (new_tmp, log[-2000:])
       assert stall_step not in _complete_steps(killed)
-    kills.append({"kind": kind, "stage": extra and stage or None,
+    kills.append({"kind": kind, "stage": stage,
                   "resumed_from": expected_resume, "last_logged": max(_logged_steps(killed)),
                   "complete_after": max(_complete_steps(killed), default=0),
                   "mid_write": bool(new_tmp)})

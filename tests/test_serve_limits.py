@@ -153,7 +153,8 @@ def test_requests_over_max_pending_get_resource_exhausted():
 
   limits = serve.RequestLimits(max_prompt_tokens=15, max_new_tokens=8, vocab_size=VOCAB,
                                max_prompt_chars=512)
-  servicer = serve._CheckedOrchestrator(Inner(), limits, lambda t: [1] * len(t), max_pending=2)  # pylint: disable=protected-access
+  servicer = serve._CheckedOrchestrator(  # pylint: disable=protected-access
+      Inner(), limits, lambda t: [1] * len(t), max_pending=2)
 
   async def one():
     try:
