@@ -6,8 +6,13 @@ overrides leaves with ``--config.x=y``. Values follow DAPO_SPEC.md (section numb
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from typing import Iterator
+
 import ml_collections
 
+from dapo_jax.models.config import Qwen2Config
 from dapo_jax.objective import LOSS_AGG_MODES
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -40,7 +45,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.data_dir = "~/tensorflow_datasets"
   c.data.manual_dir = "~/dapo_data"
   c.data.dedup = False  # the paper trained on the file as published (~100x repeats)
-  c.data.on_malformed = "raise"  # or "skip" (counted in metrics)
+  c.data.on_malformed = "raise"  # or "skip" (counted and logged)
+  c.data.num_epochs = 0  # 0: endless; N: running out of data stops the run (with a checkpoint)
   c.data.max_prompt_length = 2048
   c.data.arithmetic = ml_collections.ConfigDict(dict(
       num_train=20000, num_eval=256, min_digits=1, max_digits=2, min_operands=2, max_operands=2,
@@ -114,11 +120,43 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+# Free-form sections: keys checked against another schema (or not at all).
+_FREE_FORM = ("model.overrides",)
+
+
+def unknown_keys(c: ml_collections.ConfigDict, reference: ml_collections.ConfigDict,
+                 prefix: str = "") -> Iterator[tuple[str, list[str]]]:
+  """(dotted key, close matches) for every key of ``c`` the reference schema lacks."""
+  for key in c.keys():
+    path = prefix + key
+    if key not in reference:
+      yield path, difflib.get_close_matches(key, list(reference.keys()), n=1)
+    elif (isinstance(c[key], ml_collections.ConfigDict) and path not in _FREE_FORM
+          and isinstance(reference[key], ml_collections.ConfigDict)):
+      yield from unknown_keys(c[key], reference[key], path + ".")
+
+
+def _check_keys(c: ml_collections.ConfigDict) -> None:
+  """A misspelt key would otherwise be a silent no-op (the default stays in force)."""
+  for path, close in unknown_keys(c, default_config()):
+    hint = f" Did you mean {'.'.join(path.split('.')[:-1] + close)!r}?" if close else ""
+    raise ValueError(f"config.{path}: unknown config key.{hint} Config files and --config.x=y "
+                     "may only set the fields of dapo_jax.config.default_config().")
+  fields = [f.name for f in dataclasses.fields(Qwen2Config)]
+  for key in (c.model.overrides or {}):
+    if key not in fields:
+      close = difflib.get_close_matches(key, fields, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise ValueError(f"config.model.overrides.{key}: not a Qwen2Config field.{hint}")
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the field for values that would fail later or silently."""
 
   def bad(field, value, why):
     raise ValueError(f"config.{field}={value!r}: {why}")
+
+  _check_keys(c)
 
   if c.rollout.engine not in ROLLOUT_ENGINES:
     bad("rollout.engine", c.rollout.engine, f"choose one of {ROLLOUT_ENGINES}")
@@ -158,3 +196,5 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
   if c.data.on_malformed not in ("raise", "skip"):
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
+  if c.data.num_epochs < 0:
+    bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")

@@ -262,6 +262,14 @@ class DynamicSampler:
       self._carried = surplus
     return batch, stats
 
+  def carry(self, groups: Sequence[Group]) -> None:
+    """Makes `groups` the first the next `sample` call uses (replacing any carried surplus).
+
+    For `err.groups` of a failed call, which already include the surplus it started from: a
+    trainer that checkpoints after the failure keeps everything gathered for its next launch.
+    """
+    self._carried = list(groups)
+
   def state_dict(self) -> dict[str, Any]:
     """Checkpointable state: the carried surplus, as plain containers."""
     return {

@@ -6,17 +6,27 @@ Query it with JetStream's `Orchestrator.Decode` RPC (`jetstream.core.proto.jetst
 It binds to 127.0.0.1 unless `--host` says otherwise. The engine is `QwenEngine`
 (`dapo_jax.rollout.jetstream_engine`); tokenizer files come from the checkpoint directory (or
 `--tokenizer`). A trainer's Orbax checkpoint is served with `--model_config` naming the model.
+
+Requests are checked before JetStream sees them (`RequestLimits`): an exception in one of its
+driver threads kills the whole server, and a prompt over its prefill length would be silently
+cut. A request without content, with `max_tokens` outside [1, --max_new_tokens], with a prompt
+over the prefill length or with token ids outside the vocabulary gets INVALID_ARGUMENT naming the
+limit; more than --max_pending requests in flight get RESOURCE_EXHAUSTED; a message over
+--max_request_bytes is refused by gRPC itself (RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import logging
 import os
 import socket
 import sys
 import threading
-from typing import Any, Sequence
+from concurrent import futures
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from flax import nnx
@@ -24,22 +34,24 @@ from flax import nnx
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams
 
-# server_lib reads its bind address from a module global when a server is built; the lock keeps
-# two servers started from different threads from seeing each other's host.
-_HOST_LOCK = threading.Lock()
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+# A prompt longer than this many characters per prefill token is refused before tokenizing.
+_MAX_CHARS_PER_TOKEN = 32
 
 
 def _jetstream():
   """Imports JetStream's server modules (slow: they pull in TensorFlow via seqio)."""
   root_level = logging.getLogger().level
-  from jetstream.core import config_lib, orchestrator, server_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jetstream.core import orchestrator
+  from jetstream.core.proto import jetstream_pb2  # pylint: disable=g-import-not-at-top
   # The orchestrator sets the root logger to DEBUG at import, which floods every JAX compile
   # and generate step into stdout; keep the level the application chose.
   logging.getLogger().setLevel(root_level)
   # JetStream 0.2.2 frees each inserted prefix with `jax.tree_map`, which jax>=0.6 removed; the
   # thread that hits it kills the whole process (SIGKILL). Same behaviour, current API.
   orchestrator.delete_pytree = _delete_pytree
-  return config_lib, server_lib
+  return orchestrator, jetstream_pb2
 
 
 def _delete_pytree(tree: Any) -> None:
@@ -95,9 +107,7 @@ def build_engine(args: argparse.Namespace):
 
 
 def _check_port_free(host: str, port: int) -> None:
-  """Fails early: server_lib.run starts the driver's non-daemon threads before it binds, so a
-  bind error there leaves a process that never exits (and gRPC's SO_REUSEPORT would even let two
-  servers share a port silently)."""
+  """Fails early, with the port in the message, before the driver starts its threads."""
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
   with socket.socket(family, socket.SOCK_STREAM) as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may follow TIME_WAIT
@@ -107,25 +117,179 @@ def _check_port_free(host: str, port: int) -> None:
       raise OSError(f"Cannot serve on {host}:{port} ({e.strerror}); pick another --port.") from e
 
 
-def start_server(engine: Any, *, port: int, host: str = "127.0.0.1", threads: int | None = None):
-  """Starts JetStream's orchestrator + gRPC server with `engine`; returns the running server.
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+  """What one Decode request may ask of the engine."""
+  max_prompt_tokens: int  # the prefill length minus the slot of JetStream's start marker
+  max_new_tokens: int
+  vocab_size: int
+  max_prompt_chars: int
+
+  @classmethod
+  def for_engine(cls, engine: Any) -> RequestLimits:
+    return cls(max_prompt_tokens=engine.max_prefill_length - 1,
+               max_new_tokens=engine.sampling.max_new_tokens,
+               vocab_size=engine.config.vocab_size,
+               max_prompt_chars=_MAX_CHARS_PER_TOKEN * engine.max_prefill_length)
+
+  def problem(self, request: Any, encode: Callable[[str], Sequence[int]]) -> str | None:
+    """Why `request` (a `DecodeRequest`) cannot be served, or None."""
+    which = request.WhichOneof("content")
+    if which is None:
+      return "the request has neither text_content nor token_content"
+    if not 1 <= request.max_tokens <= self.max_new_tokens:
+      return (f"max_tokens={request.max_tokens} is outside [1, {self.max_new_tokens}] "
+              "(the server's --max_new_tokens)")
+    if which == "text_content":
+      text = request.text_content.text
+      if len(text) > self.max_prompt_chars:
+        return (f"the prompt has {len(text)} characters; this server reads at most "
+                f"{self.max_prompt_chars}")
+      try:
+        num_tokens = len(encode(text))
+      except Exception as e:  # pylint: disable=broad-except
+        return f"the prompt cannot be tokenized ({type(e).__name__})"
+    else:
+      ids = request.token_content.token_ids
+      num_tokens = len(ids)
+      if num_tokens <= self.max_prompt_tokens:  # (a huge list is refused by its length)
+        outside = [t for t in ids if not 0 <= t < self.vocab_size]
+        if outside:
+          return f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
+    if num_tokens == 0:
+      return "the prompt is empty"
+    if num_tokens > self.max_prompt_tokens:
+      return (f"the prompt has {num_tokens} tokens; this server takes at most "
+              f"{self.max_prompt_tokens} (--max_prefill_length minus one start marker)")
+    return None
+
+
+class _Undecodable(NamedTuple):
+  """Stands for request bytes that are not a message (gRPC would answer a bare UNKNOWN)."""
+  error: str
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+  def deserialize(data: bytes) -> Any:
+    try:
+      return parse(data)
+    except Exception as e:  # pylint: disable=broad-except
+      return _Undecodable(type(e).__name__)
+  return deserialize
+
+
+class _CheckedOrchestrator:
+  """JetStream's `LLMOrchestrator` behind request checks and a cap on requests in flight."""
+
+  def __init__(self, inner: Any, limits: RequestLimits, encode: Callable[[str], Sequence[int]],
+               max_pending: int):
+    self._inner, self._limits, self._encode = inner, limits, encode
+    self._max_pending = max_pending
+    self._pending = 0  # touched only on the server's event loop thread
+
+  async def Decode(self, request, context=None):  # pylint: disable=invalid-name
+    import grpc  # pylint: disable=g-import-not-at-top
+    problem = (f"the request is not a DecodeRequest message ({request.error})"
+               if isinstance(request, _Undecodable) else
+               self._limits.problem(request, self._encode))
+    if problem is not None:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dapo-serve: {problem}.")
+    if self._pending >= self._max_pending:
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"dapo-serve: {self._pending} requests in flight (--max_pending); "
+                          "retry later.")
+    self._pending += 1
+    try:
+      async for response in self._inner.Decode(request, context):
+        yield response
+    finally:
+      self._pending -= 1
+
+  async def HealthCheck(self, request, context=None):  # pylint: disable=invalid-name
+    return await self._inner.HealthCheck(request, context)
+
+  def handler(self, pb: Any) -> Any:
+    """The gRPC service `add_OrchestratorServicer_to_server` registers, lenient in parsing."""
+    import grpc  # pylint: disable=g-import-not-at-top
+    return grpc.method_handlers_generic_handler("jetstream_proto.Orchestrator", {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            self.Decode, request_deserializer=_lenient(pb.DecodeRequest.FromString),
+            response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            self.HealthCheck, request_deserializer=pb.HealthCheckRequest.FromString,
+            response_serializer=pb.HealthCheckResponse.SerializeToString)})
+
+
+class Server:
+  """The running gRPC server and JetStream driver (`server_lib.JetStreamServer`, with our bind
+  address, message size limit and request checks)."""
+
+  def __init__(self, driver: Any, handler: Any, address: str, threads: int,
+               max_request_bytes: int):
+    import grpc  # pylint: disable=g-import-not-at-top
+    self._driver = driver
+    self._executor = futures.ThreadPoolExecutor(max_workers=threads)
+    self._loop = asyncio.new_event_loop()
+    self._loop.set_default_executor(self._executor)
+    self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-serve-grpc",
+                                    daemon=True)
+    self._thread.start()
+
+    async def build():
+      server = grpc.aio.server(self._executor, options=[
+          ("grpc.max_receive_message_length", max_request_bytes),
+          ("grpc.so_reuseport", 0)])  # a second server must fail to bind, not share the port
+      server.add_generic_rpc_handlers((handler,))
+      if not server.add_insecure_port(address):
+        raise OSError(f"Cannot bind {address}.")
+      await server.start()
+      return server
+
+    try:
+      self._grpc = self._run(build())
+    except BaseException:
+      driver.stop()
+      self._loop.call_soon_threadsafe(self._loop.stop)
+      raise
+
+  def _run(self, coro):
+    return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+  def stop(self) -> None:
+    self._driver.stop()
+    self._run(self._grpc.stop(grace=10))
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._thread.join()
+    self._executor.shutdown(wait=False)
+
+  def wait_for_termination(self) -> None:
+    try:
+      self._run(self._grpc.wait_for_termination())
+    finally:
+      self.stop()
+
+
+def start_server(engine: Any, *, port: int, host: str = "127.0.0.1", threads: int | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_pending: int | None = None) -> Server:
+  """Starts JetStream's orchestrator + a gRPC server with `engine`; returns the running server.
 
   Stop it with `server.stop()` (or block with `server.wait_for_termination()`).
   """
   _check_port_free(host, port)
-  config_lib, server_lib = _jetstream()
-  devices = list(engine.mesh.devices.flat)
-  config = config_lib.ServerConfig(
-      interleaved_slices=(f"{devices[0].platform}={len(devices)}",),
-      interleaved_engine_create_fns=(lambda unused_devices: engine,))
+  orchestrator, pb = _jetstream()
+  params = engine.load_params()
+  driver = orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine],
+                               prefill_params=[params], generate_params=[params],
+                               interleaved_mode=True)
+  tokenizer = engine.build_tokenizer(engine.get_tokenizer()).tokenizer
+  slots = engine.max_concurrent_decodes
+  servicer = _CheckedOrchestrator(orchestrator.LLMOrchestrator(driver=driver),
+                                  RequestLimits.for_engine(engine), tokenizer.encode,
+                                  max_pending or 8 * slots)
   bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
-  with _HOST_LOCK:
-    default_host = server_lib._HOST  # pylint: disable=protected-access
-    server_lib._HOST = bind  # pylint: disable=protected-access
-    try:
-      return server_lib.run(port=port, config=config, devices=devices, threads=threads)
-    finally:
-      server_lib._HOST = default_host  # pylint: disable=protected-access
+  return Server(driver, servicer.handler(pb), f"{bind}:{port}", threads or max(slots, 64),
+                max_request_bytes)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -151,6 +315,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32).")
   p.add_argument("--threads", type=int, default=None, help="gRPC worker threads.")
+  p.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                 help="Largest request message gRPC accepts.")
+  p.add_argument("--max_pending", type=int, default=None,
+                 help="Requests in flight before new ones get RESOURCE_EXHAUSTED "
+                      "(default: 8 x --max_concurrent_decodes).")
   p.add_argument("--log_level", default="WARNING",
                  help="Python logging level (INFO logs every JetStream generate step).")
   return p.parse_args(argv)
@@ -161,7 +330,8 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True):
   args = parse_args(argv)
   logging.getLogger().setLevel(args.log_level.upper())
   engine = build_engine(args)
-  server = start_server(engine, port=args.port, host=args.host, threads=args.threads)
+  server = start_server(engine, port=args.port, host=args.host, threads=args.threads,
+                        max_request_bytes=args.max_request_bytes, max_pending=args.max_pending)
   print(f"dapo-serve: {args.checkpoint} on {args.host}:{args.port} "
         f"({args.max_concurrent_decodes} slots)", flush=True)
   if not block:

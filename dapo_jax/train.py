@@ -29,7 +29,8 @@ from dapo_jax import run_setup
 from dapo_jax import sft
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data.pipeline import PromptIterator
-from dapo_jax.dynamic_sampling import DynamicSampler, DynamicSamplingError
+from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSampler,
+                                       DynamicSamplingError)
 from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves, read_jsonl
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout
@@ -49,18 +50,21 @@ def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, float]:
 class _StopRequest:
   """SIGTERM (a preempted VM, `scancel`, `kill`) asks the loop to checkpoint and exit cleanly.
 
-  The handler only sets a flag: the current update finishes, the state is saved at the step
-  reached, and the next launch on the same workdir resumes from it. On several processes JAX's
-  preemption notice (`reached_preemption_sync_point`) is honoured too, at the same step on all.
+  The current update finishes, the state is saved at the step reached, and the next launch on
+  the same workdir resumes from it. One process: a Python handler sets a flag. Several: JAX's
+  preemption service owns SIGTERM (a Python handler would replace its notifier) and
+  `reached_preemption_sync_point` names the same step on every process; with that service
+  off, the processes all-gather their flags each step, so all stop at the same step.
   """
 
   def __init__(self):
     self.signum: int | None = None
     self._previous = {}
+    self._jax_service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
 
   def install(self) -> None:
-    if threading.current_thread() is not threading.main_thread():
-      return  # signal handlers can only be set from the main thread (e.g. not in a notebook)
+    if self._jax_service or threading.current_thread() is not threading.main_thread():
+      return  # (signal handlers can only be set from the main thread, e.g. not in a notebook)
     for sig in (signal.SIGTERM,):
       self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -76,12 +80,20 @@ class _StopRequest:
     self._previous.clear()
 
   def requested(self, step: int) -> bool:
-    if self.signum is not None:
-      return True
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    if jax.process_count() == 1:
+      return self.signum is not None
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    if self._jax_service:
       return bool(multihost_utils.reached_preemption_sync_point(step))
-    return False
+    flags = multihost_utils.process_allgather(np.int32(self.signum is not None))
+    return bool(np.any(flags))
+
+
+def _committed(state, mesh):
+  """On one device, arrays restored from a checkpoint are committed to it and fresh ones are
+  not, so jit would compile every program twice (a resumed run misses the persistent compile
+  cache); committing both makes them the same programs."""
+  return state if mesh is not None else jax.device_put(state, jax.devices()[0])
 
 
 def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
@@ -115,11 +127,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   rollout = make_rollout(config, sampler_graphdef, mesh, tokenizer)
   tcfg = run_setup.train_config(config)
   graphdef, state = init_train_state(model, tcfg, mesh)
+  state = _committed(state, mesh)
   del model
   step_fn = TrainStep(graphdef, tcfg, mesh)
   logp_fn = LogProbForward(graphdef, tcfg, mesh, rest=state.rest)
 
   iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
+                            num_epochs=config.data.num_epochs or None,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
   ckpt = TrainCheckpointer(os.path.join(workdir, "checkpoints"),
@@ -159,6 +173,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state = state.replace(params=params_r, opt_state=opt_r,
                           step=jnp.asarray(meta["update_step"], jnp.int32),
                           num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
+    state = _committed(state, mesh)
     iterator.set_state(meta["iterator"])
     sampler.load_state_dict(exp.sampler_state_from_json(meta["sampler"]))
     start_step = int(meta["step"])
@@ -170,7 +185,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if config.sft.steps:
       state, before = sft.warm_start(config, graphdef, state, tokenizer, train_records, mesh)
       # A fresh optimizer for DAPO on the warm-started weights.
-      state = init_train_state(nnx.merge(graphdef, state.params, state.rest), tcfg, mesh)[1]
+      state = _committed(
+          init_train_state(nnx.merge(graphdef, state.params, state.rest), tcfg, mesh)[1], mesh)
     if eval_records and config.eval.every:
       before.update(evaluator(state.params))
     if before:
@@ -192,12 +208,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       try:
         groups, ds_stats = sampler.sample(iterator)
       except DynamicSamplingError as err:
-        ckpt.save(step, state.params, state.opt_state, _meta(step, state, iterator, sampler),
-                  force=True)
-        ckpt.close()
-        raise RuntimeError(f"Dynamic sampling failed at step {step}: {err} A checkpoint of "
-                           f"step {step} was written; {len(err.groups)} accumulated groups "
-                           "are in the exception.") from err
+        raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
       traj = exp.groups_to_trajectories(groups)
       adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
     with timer("old_logprob"):
@@ -217,6 +228,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       metrics = _mean_metrics(updates)
     for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
       consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
+    metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
     metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
                                        buffer_len=config.reward.overlong_buffer_len))
     metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
@@ -246,6 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                   for i in range(0, min(traj.num_rows, config.num_sample_texts
                                                         * config.rollout.n), config.rollout.n)})
     progress.update(step + 1, metrics)
+    writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
     result = metrics
     if consecutive_skips >= config.optim.max_consecutive_skips:
       ckpt.close()
@@ -285,6 +298,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
               evaluator.headline, evals[0], evals[-1], config.num_steps,
               os.path.join(workdir, "curves.png"))
   return result
+
+
+class SamplingStoppedError(RuntimeError):
+  """Dynamic sampling could not fill a batch (`max_num_gen_batches`, or data ran out).
+
+  The state is checkpointed at the step reached, with the groups gathered so far carried: the
+  next launch on the same workdir (e.g. with a higher limit) starts from them.
+  """
+
+
+def _sampling_stopped(err: DynamicSamplingError, step: int, config, ckpt: TrainCheckpointer,
+                      state, iterator: PromptIterator, sampler: DynamicSampler
+                      ) -> SamplingStoppedError:
+  sampler.carry(err.groups)  # nothing gathered is thrown away
+  # force: a resumed run re-saves its start step (iterator advanced, groups carried).
+  ckpt.save(step, state.params, state.opt_state, _meta(step, state, iterator, sampler),
+            force=True)
+  ckpt.close()
+  st, gathered = err.stats, f"{len(err.groups)}/{config.optim.train_batch_size}"
+  if isinstance(err, DatasetExhaustedError):
+    what = (f"dataset {config.data.train!r} ran out after data.num_epochs="
+            f"{config.data.num_epochs} epoch(s) with {gathered} groups gathered. Raise "
+            "data.num_epochs (0 = endless) or lower num_steps")
+  else:
+    what = (f"{gathered} groups after {st.num_gen_batches} generation batches "
+            f"(algorithm.max_num_gen_batches={config.algorithm.max_num_gen_batches}; kept ratio "
+            f"{st.kept_ratio:.3f}, all-correct {st.all_correct_ratio:.3f}, all-wrong "
+            f"{st.all_wrong_ratio:.3f}). Raise algorithm.max_num_gen_batches (0 = unlimited) "
+            "or algorithm.gen_batch_size, or check the data and the reward")
+  return SamplingStoppedError(
+      f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
+      f"gathered are saved with a checkpoint of step {step} in {ckpt.directory} and are used "
+      "first when the run is relaunched on the same --workdir.")
 
 
 def _meta(step: int, state, iterator: PromptIterator, sampler: DynamicSampler) -> dict:

@@ -90,13 +90,14 @@ class RewardScorer:
     overlong_buffer_len, overlong_penalty_factor, overlong_buffer_enable: spec 2 shaping.
     timeout_s: per-item bound for worker-run verifiers (strict is bounded by construction).
     num_workers: worker processes (default: usable CPUs, at most 16); ignored by strict.
-    memory_limit_mb: optional address-space cap per worker (RLIMIT_AS).
+    memory_limit_mb: address-space cap per worker (RLIMIT_AS); None or 0: no cap.
   """
 
   def __init__(self, verifier: str | ScoreFn = "strict", *, max_response_length: int,
                overlong_buffer_len: int = 4096, overlong_penalty_factor: float = 1.0,
                overlong_buffer_enable: bool = True, timeout_s: float = 5.0,
-               num_workers: int | None = None, memory_limit_mb: int | None = None):
+               num_workers: int | None = None,
+               memory_limit_mb: int | None = symbolic.DEFAULT_MEMORY_LIMIT_MB):
     if isinstance(verifier, str) and verifier not in VERIFIERS:
       raise ValueError(f"Unknown verifier {verifier!r}; expected one of {VERIFIERS} or a "
                        "picklable function (response, ground_truth) -> score dict.")

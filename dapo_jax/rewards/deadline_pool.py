@@ -29,10 +29,15 @@ _STARTUP_TIMEOUT_S = 120.0
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-  """Result of one task: `value` is set only when `status == "ok"`."""
+  """Result of one task: `value` is set only when `status == "ok"`.
+
+  `seconds` is the wall time from handing the task to a worker to its answer (or its kill), as
+  the parent saw it; 0 for tasks that never reached a worker.
+  """
   status: Status
   value: Any = None
   error: str = ""
+  seconds: float = 0.0
 
 
 class _SoftTimeout(BaseException):
@@ -51,7 +56,10 @@ def _worker_main(conn, preload: Sequence[str], memory_limit_mb: int | None,
   if memory_limit_mb:
     import resource  # pylint: disable=g-import-not-at-top  (POSIX only)
     limit = int(memory_limit_mb) * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+      resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ValueError, OSError):  # macOS refuses RLIMIT_AS; the deadline still bounds time
+      pass
   for module in preload:
     importlib.import_module(module)
   if warmup is not None:
@@ -92,10 +100,11 @@ class _Worker:
   conn: Any
   ready: bool = False
   task: int | None = None  # index into the current map() call
+  started: float = 0.0
   deadline: float = 0.0
 
 
-def _shutdown(workers: list[_Worker]) -> None:
+def _shutdown(workers: list[_Worker], dying: list[Any]) -> None:
   for w in workers:
     try:
       w.conn.send(None)
@@ -109,6 +118,9 @@ def _shutdown(workers: list[_Worker]) -> None:
       w.process.join(timeout=1.0)
     w.conn.close()
   workers.clear()
+  for p in dying:
+    p.join(timeout=1.0)
+  dying.clear()
 
 
 def default_start_method() -> str:
@@ -145,8 +157,9 @@ class DeadlinePool:
     self._warmup = warmup
     self.num_workers = num_workers
     self.num_killed = 0  # lifetime count of workers killed at their deadline or found dead
+    self._dying: list[Any] = []  # killed, not yet reaped
     self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
-    self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+    self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._dying)
 
   def _spawn(self) -> _Worker:
     parent_conn, child_conn = self._ctx.Pipe(duplex=True)
@@ -158,13 +171,24 @@ class DeadlinePool:
     return _Worker(process=process, conn=parent_conn)
 
   def _replace(self, i: int) -> None:
-    """Kills worker i without waiting for its task, and starts a fresh one in its place."""
+    """Kills worker i without waiting for its task, and starts a fresh one in its place.
+
+    The killed process is reaped later (`_reap`): waiting for a big process to exit here would
+    delay the answers of the other workers.
+    """
     w = self._workers[i]
     w.process.kill()
-    w.process.join(timeout=1.0)  # SIGKILL cannot be ignored; this only reaps the zombie.
     w.conn.close()
+    self._dying.append(w.process)
     self.num_killed += 1
     self._workers[i] = self._spawn()
+
+  def _reap(self, timeout_s: float = 0.0) -> None:
+    """Joins killed workers that have exited (all of them, waiting up to `timeout_s` each)."""
+    for p in list(self._dying):
+      p.join(timeout=timeout_s)  # SIGKILL cannot be ignored; this only collects the zombie.
+      if p.exitcode is not None:
+        self._dying.remove(p)
 
   @property
   def pids(self) -> list[int]:
@@ -211,7 +235,8 @@ class DeadlinePool:
               next_task += 1
               remaining -= 1
               continue
-            w.task, w.deadline = next_task, now + timeout_s + self._kill_grace_s
+            w.task, w.started = next_task, now
+            w.deadline = now + timeout_s + self._kill_grace_s
             next_task += 1
         busy = [w.deadline for w in self._workers if w.task is not None]
         wait_s = max(0.0, min(busy) - now) if busy else max(0.0, startup_deadline - now)
@@ -223,7 +248,8 @@ class DeadlinePool:
         now = time.monotonic()
         for i, w in enumerate(self._workers):
           if w.task is not None and now >= w.deadline:
-            outcomes[w.task] = Outcome("timeout", error="killed at deadline")
+            outcomes[w.task] = Outcome("timeout", error="killed at deadline",
+                                       seconds=now - w.started)
             remaining -= 1
             self._replace(i)
         if not any(w.ready for w in self._workers) and now >= startup_deadline:
@@ -236,6 +262,8 @@ class DeadlinePool:
         if w.task is not None:
           self._replace(i)
       raise
+    finally:
+      self._reap(timeout_s=1.0)  # the batch is done: no killed worker outlives map()
     return outcomes  # type: ignore[return-value]
 
   def _receive(self, i: int, outcomes: list[Outcome | None]) -> int:
@@ -256,7 +284,8 @@ class DeadlinePool:
       self._replace(i)
       if task is None:
         return 0
-      outcomes[task] = Outcome("error", error="worker process died")
+      outcomes[task] = Outcome("error", error="worker process died",
+                               seconds=time.monotonic() - w.started)
       return 1
     if task_id == "ready":
       w.ready = True
@@ -264,8 +293,9 @@ class DeadlinePool:
     if task_id != w.task:  # cannot happen with one task in flight per pipe; fail loudly
       raise RuntimeError(f"Reward worker answered task {task_id}, expected {w.task}.")
     w.task = None
+    seconds = time.monotonic() - w.started
     if status == "ok":
-      outcomes[task_id] = Outcome("ok", value=value)
+      outcomes[task_id] = Outcome("ok", value=value, seconds=seconds)
     else:
-      outcomes[task_id] = Outcome(status, error=value or "")
+      outcomes[task_id] = Outcome(status, error=value or "", seconds=seconds)
     return 1

@@ -9,7 +9,13 @@ Safety, because the text comes from a policy being optimised against this very f
     most a few hundred characters ever reach SymPy;
   * SymPy runs only in `DeadlinePool` worker processes that are killed at the deadline;
     math-verify's own SIGALRM timeouts are switched off (they only work on a main thread and
-    cannot interrupt C code), the pool provides both the soft and the hard bound.
+    cannot interrupt C code), the pool provides both the soft and the hard bound;
+  * each worker's address space is capped (`DEFAULT_MEMORY_LIMIT_MB`), so `2^{2^{40}}` ends
+    in a MemoryError (or a dead worker, replaced) instead of swapping the host;
+  * model text only takes math-verify's LaTeX path (an ANTLR grammar that builds SymPy objects
+    directly). What reaches SymPy's eval-based `parse_expr` from it is the text of the
+    grammar's NUMBER tokens (digits, `.` and `,`), through `sympy.Number`;
+    tests/test_verifier_fuzz.py records every string that reaches it.
 
 Scoring order: the strict verifier first (cheap; a strict match is always accepted, so the
 symbolic verifier accepts a superset), then the extracted answer goes to a worker.
@@ -26,6 +32,8 @@ from dapo_jax.rewards.deadline_pool import DeadlinePool, Outcome
 
 TIMEOUT_PRED = "[TIMEOUT]"
 ERROR_PRED = "[ERROR]"
+# A worker with SymPy and math-verify loaded maps about 200 MB.
+DEFAULT_MEMORY_LIMIT_MB = 1024
 # Modules each worker imports before it reports ready, so no item pays for the import.
 WORKER_PRELOAD = ("dapo_jax.rewards.symbolic", "math_verify")
 
@@ -131,7 +139,8 @@ class SymbolicVerifier:
   """
 
   def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, *,
-               tail_chars: int = math_dapo.TAIL_CHARS, memory_limit_mb: int | None = None,
+               tail_chars: int = math_dapo.TAIL_CHARS,
+               memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB,
                kill_grace_s: float = 0.25, start_method: str | None = None):
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
