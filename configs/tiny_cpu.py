@@ -15,7 +15,7 @@ from dapo_jax.config import default_config
 def get_config(arg: str | None = None):
   c = default_config()
   c.seed = 0
-  c.num_steps = 80
+  c.num_steps = 160
 
   c.model.preset = "test"
   c.model.overrides = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -46,7 +46,9 @@ def get_config(arg: str | None = None):
   c.optim.warmup_steps = 2
   c.optim.weight_decay = 0.0
 
-  c.sft.update(steps=300, batch_size=64, lr=3e-3, warmup_steps=20)
+  # 600 warm-start steps leave the policy near 48% held-out (300 steps: 18%, where half the
+  # groups are all-wrong and DAPO gains ~11 points in 160 steps; measured, see the README).
+  c.sft.update(steps=600, batch_size=64, lr=3e-3, warmup_steps=20)
   c.eval.update(every=20, num_samples=4, temperature=1.0, top_p=0.7, batch_size=128)
   c.checkpoint.update(save_every=10, max_to_keep=2, async_save=True)
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]

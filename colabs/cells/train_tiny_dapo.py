@@ -28,8 +28,8 @@ smoke run of a 10k-parameter model.
 import os
 
 workdir = "workdirs/colab_tiny_cpu"  # restore_and_sample.ipynb reads this run
-num_steps = None  # DAPO rollout steps (tiny_cpu: 40)
-sft_steps = None  # supervised warm-start steps before DAPO (tiny_cpu: 300)
+num_steps = None  # DAPO rollout steps (tiny_cpu: 160)
+sft_steps = None  # supervised warm-start steps before DAPO (tiny_cpu: 600)
 overrides = {}  # e.g. {"algorithm.loss_agg_mode": "seq-mean-token-mean", "optim.lr": 3e-4}
 
 if os.environ.get("DAPO_COLAB_SMOKE") == "1":
