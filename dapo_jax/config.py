@@ -61,6 +61,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.engine = "static"  # or "continuous" (JetStream engine, slot refill)
   c.rollout.max_concurrent_decodes = 256  # continuous engine slots
   c.rollout.use_sampler_logprobs = False  # spec 6.2: recompute old log-probs by default
+  # Prompts per compiled rollout call (static engine); 0 = the whole generation batch at once.
+  # The KV cache grows with it: `dapo-plan` reports what fits.
+  c.rollout.prompts_per_call = 0
 
   c.reward = ml_collections.ConfigDict()
   c.reward.verifier = "strict"
@@ -113,7 +116,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 3
   c.checkpoint.async_save = True
 
+  # Device meshes as data, [(axis, size), ...] over ("data", "fsdp", "tensor"); one size may be
+  # -1 (the remaining devices). Training lays parameters out by sharding.TRAIN_RULES on `mesh`;
+  # rollout by sharding.SAMPLE_RULES on `rollout_mesh` (empty: the same devices as `mesh`).
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
+  c.rollout_mesh = []
   c.log_every = 1
   c.num_sample_texts = 2  # completions written to the logs per step
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-3, warmup_steps=20))
@@ -192,9 +199,30 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not c.algorithm.dynamic_sampling and c.algorithm.gen_batch_size < o.train_batch_size:
     bad("algorithm.gen_batch_size", c.algorithm.gen_batch_size,
         "without dynamic sampling one generation batch must hold optim.train_batch_size prompts")
+  ppc = c.rollout.prompts_per_call
+  if ppc < 0 or (0 < ppc < c.algorithm.gen_batch_size and c.algorithm.gen_batch_size % ppc):
+    bad("rollout.prompts_per_call", ppc,
+        f"must be 0 (all at once) or divide algorithm.gen_batch_size={c.algorithm.gen_batch_size}")
+  for field in ("mesh", "rollout_mesh"):
+    _check_mesh(field, c[field], bad)
   if c.optim.lr <= 0 or c.optim.grad_clip <= 0:
     bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
   if c.data.on_malformed not in ("raise", "skip"):
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
   if c.data.num_epochs < 0:
     bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")
+
+
+def _check_mesh(field: str, axes, bad) -> None:
+  """[(name, size), ...] with known axis names and at most one -1 (device counts checked later)."""
+  valid = ("data", "fsdp", "tensor")
+  try:
+    pairs = [(str(n), int(s)) for n, s in axes]
+  except (TypeError, ValueError):
+    bad(field, axes, "expected a list of (axis, size) pairs, e.g. [('fsdp', -1), ('tensor', 4)]")
+  names = [n for n, _ in pairs]
+  if any(n not in valid for n in names) or len(set(names)) != len(names):
+    bad(field, axes, f"axis names must be distinct and among {valid}")
+  sizes = [s for _, s in pairs]
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    bad(field, axes, "sizes must be positive, with at most one -1 (the remaining devices)")

@@ -1,11 +1,22 @@
-"""Multi-host start-up: ``jax.distributed.initialize`` when launched on several processes."""
+"""Multi-host: ``jax.distributed.initialize`` at start-up, and host <-> global array moves.
+
+In multi-controller SPMD every process runs this same program. The trainer's host-side state
+(prompts, scored groups, the dynamic-sampling decision) must be the same on every process, so
+what one process computes for its share is gathered to all of them; the arrays a compiled step
+reads are global ``jax.Array``s that each process fills with the rows its own devices hold. On a
+single process each helper is the plain single-host operation (``device_put``/``device_get``).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from typing import Any, Sequence
 
 import jax
+import numpy as np
+from jax.sharding import Sharding
 
 _log = logging.getLogger(__name__)
 _ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
@@ -17,17 +28,122 @@ def maybe_initialize() -> bool:
 
   Cloud TPU pod slices, SLURM and Open MPI launches are detected by JAX itself; a plain
   multi-node launch sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+  JAX_LOCAL_DEVICE_IDS (comma-separated) limits the devices a process owns. CPU processes talk
+  through gloo collectives.
   """
   if not any(os.environ.get(k) for k in _ENV_HINTS):
     return False
+  if "cpu" in os.environ.get("JAX_PLATFORMS", ""):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Under SLURM / Open MPI, JAX gives each process the one GPU of its local rank unless told
+  # otherwise; one process per node owning all its GPUs sets JAX_LOCAL_DEVICE_IDS=0,...,7.
+  ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
+  local_device_ids = [int(i) for i in ids.split(",")] if ids else None
   if os.environ.get("JAX_COORDINATOR_ADDRESS") and os.environ.get("JAX_NUM_PROCESSES"):
     jax.distributed.initialize(
         coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
         num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
+        process_id=int(os.environ.get("JAX_PROCESS_ID", "0")),
+        local_device_ids=local_device_ids)
   else:
-    jax.distributed.initialize()
+    jax.distributed.initialize(local_device_ids=local_device_ids)
   _log.info("jax.distributed: process %d of %d, %d local / %d global devices",
             jax.process_index(), jax.process_count(), jax.local_device_count(),
             jax.device_count())
   return True
+
+
+def is_multiprocess() -> bool:
+  return jax.process_count() > 1
+
+
+# --- host data -> global arrays ----------------------------------------------------------------
+
+
+def process_rows(sharding: Sharding, global_shape: Sequence[int]) -> np.ndarray:
+  """Indices (along axis 0) of the rows this process's devices hold, in the order
+  ``jax.make_array_from_process_local_data`` expects its local data."""
+  shards = sharding.addressable_devices_indices_map(tuple(global_shape))
+  starts = sorted({(idx[0].start or 0) for idx in shards.values()})
+  first = next(iter(shards.values()))[0]
+  size = (first.stop if first.stop is not None else global_shape[0]) - (first.start or 0)
+  return np.concatenate([np.arange(s, s + size) for s in starts])
+
+
+def host_to_global(x: np.ndarray, sharding: Sharding | None) -> jax.Array:
+  """A batch-major host array, identical on every process, as a global array.
+
+  Each process uploads only the rows its devices hold (``make_array_from_process_local_data``),
+  so nothing crosses hosts and, unlike ``jax.device_put`` of a host value onto devices of
+  several processes, no all-process equality check runs.
+  """
+  x = np.asarray(x)
+  if sharding is None:
+    return jax.device_put(x)
+  if not is_multiprocess():
+    return jax.device_put(x, sharding)
+  rows = process_rows(sharding, x.shape)
+  local = x if len(rows) == x.shape[0] else x[rows]
+  return jax.make_array_from_process_local_data(sharding, local, x.shape)
+
+
+def global_to_host(tree: Any) -> Any:
+  """Every leaf as a full host array on every process (``jax.device_get`` on one process)."""
+  if not is_multiprocess():
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+  return jax.tree.map(one, tree)
+
+
+# --- host values gathered from every process -----------------------------------------------------
+
+
+def allgather_rows(x: np.ndarray) -> np.ndarray:
+  """Concatenates each process's rows, in process order; shapes may differ along axis 0."""
+  x = np.asarray(x)
+  if not is_multiprocess():
+    return x
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  counts = multihost_utils.process_allgather(np.asarray([x.shape[0]], np.int64), tiled=True)
+  pad = int(counts.max()) - x.shape[0]
+  padded = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+  stacked = multihost_utils.process_allgather(padded, tiled=False)
+  return np.concatenate([stacked[p, :int(n)] for p, n in enumerate(counts)])
+
+
+def allgather_json(values: list[Any]) -> list[Any]:
+  """Concatenates each process's list of JSON-serialisable values, in process order."""
+  if not is_multiprocess():
+    return list(values)
+  blob = np.frombuffer(json.dumps(values).encode(), np.uint8)
+  out: list[Any] = []
+  sizes = allgather_rows(np.asarray([blob.size], np.int64))
+  data = allgather_rows(blob)
+  for start, n in zip(np.cumsum(sizes) - sizes, sizes):
+    out.extend(json.loads(data[start:start + n].tobytes().decode()))
+  return out
+
+
+def share(num_rows: int) -> slice:
+  """This process's contiguous share of ``num_rows`` host rows (e.g. responses to verify)."""
+  bounds = np.linspace(0, num_rows, jax.process_count() + 1).round().astype(int)
+  p = jax.process_index()
+  return slice(int(bounds[p]), int(bounds[p + 1]))
+
+
+def assert_same_on_all_processes(values: np.ndarray, what: str) -> None:
+  """Raises if a host value differs between processes (the SPMD program would diverge)."""
+  if not is_multiprocess():
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  multihost_utils.assert_equal(np.asarray(values),
+                               f"{what} differs between processes; every process must "
+                               "take the same host-side decision.")

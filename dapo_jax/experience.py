@@ -1,22 +1,30 @@
 """From prompts to scored groups (the dynamic sampler's ``generate_fn``) and back to arrays.
 
-Host side: prompt rendering, one compiled rollout call per generation batch, one device->host
-copy of its results, decoding and verification. Device side stays inside the sampler.
+Host side: prompt rendering, compiled rollout calls (the whole generation batch, or chunks of
+``rollout.prompts_per_call``), one device->host copy of each call's results, decoding and
+verification. Device side stays inside the sampler.
+
+On several processes (multi-controller SPMD) each process loads its own share of the prompts;
+the shares are gathered so every process holds the same generation batch, the rollout runs on
+global arrays, each process verifies its share of the responses, and the rewards are gathered,
+so the dynamic-sampling filter decides identically everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
+from dapo_jax import distributed
 from dapo_jax import objective as obj
+from dapo_jax import sharding as shd
 from dapo_jax.data.pipeline import left_pad, render_prompt
 from dapo_jax.data.records import MathRecord
 from dapo_jax.dynamic_sampling import Group
-from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.rewards.batch import RewardBatch, RewardScorer
 
 # A rollout callable: (prompt_ids [B,P], prompt_mask [B,P], key, num_samples) -> RolloutBatch-like
 # with numpy-convertible fields response_ids, response_mask, logprobs, lengths, truncated.
@@ -69,20 +77,94 @@ def decode_responses(tokenizer, response_ids: np.ndarray, lengths: np.ndarray,
   return out
 
 
+def gather_records(records: Sequence[MathRecord]) -> list[MathRecord]:
+  """Every process's share of a generation batch, in process order (the global batch order)."""
+  if not distributed.is_multiprocess():
+    return list(records)
+  rows = distributed.allgather_json([dataclasses.asdict(r) for r in records])
+  return [MathRecord(**r) for r in rows]
+
+
+def global_batches(local_batches: Iterator[Sequence[MathRecord]]) -> Iterator[list[MathRecord]]:
+  """Each process's prompt iterator yields its own share; this yields the whole generation batch
+  (the same list on every process), one gather per batch actually drawn."""
+  for records in local_batches:
+    yield gather_records(records)
+
+
+def score_spread(scorer: RewardScorer, texts: Sequence[str], ground_truths: Sequence[str],
+                 lengths: np.ndarray) -> RewardBatch:
+  """Verifies this process's share of the responses and gathers everyone's rewards."""
+  if not distributed.is_multiprocess():
+    return scorer(texts, ground_truths, lengths)
+  sl = distributed.share(len(texts))
+  mine = scorer(list(texts[sl]), list(ground_truths[sl]), np.asarray(lengths)[sl])
+  gather = distributed.allgather_rows
+  counts = gather(np.asarray([[mine.num_errors, mine.num_timeouts]], np.int64)).sum(0)
+  return RewardBatch(score=gather(mine.score), acc=gather(mine.acc),
+                     pred=distributed.allgather_json(list(mine.pred)),
+                     overlong_penalty=gather(mine.overlong_penalty), reward=gather(mine.reward),
+                     num_errors=int(counts[0]), num_timeouts=int(counts[1]))
+
+
+def global_rollout(rollout, mesh, rules: shd.Rules = shd.SAMPLE_RULES):
+  """A rollout callable ``(state, ids, mask, key, params, n)`` fed with host prompts that are
+  the same on every process: returns the same host ``RolloutBatch`` on every process.
+
+  Single process: ``rollout`` itself (the sampler places host prompts, the caller fetches).
+  """
+  if not distributed.is_multiprocess():
+    return rollout
+  if mesh is None:
+    raise ValueError("Several processes need a device mesh (config.mesh).")
+
+  def run(state, prompt_ids, prompt_mask, key, params, num_samples):
+    sharding = shd.batch_sharding(mesh, rules, 2, prompt_ids.shape[0])
+    out = rollout(state, distributed.host_to_global(prompt_ids, sharding),
+                  distributed.host_to_global(prompt_mask, sharding), key, params, num_samples)
+    return distributed.global_to_host(out)
+
+  return run
+
+
+def _rollout_chunks(rollout: RolloutFn, prompt_ids: np.ndarray, prompt_mask: np.ndarray,
+                    key: jax.Array, num_samples: int, prompts_per_call: int):
+  """One rollout call per chunk of prompts (bounds the KV cache); host arrays, rows in order."""
+  b = prompt_ids.shape[0]
+  fields = ("response_ids", "response_mask", "logprobs", "lengths", "truncated")
+  if prompts_per_call <= 0 or prompts_per_call >= b:
+    out = jax.device_get(rollout(prompt_ids, prompt_mask, key, num_samples))
+    return {k: np.asarray(getattr(out, k)) for k in fields}
+  if b % prompts_per_call:
+    raise ValueError(f"rollout.prompts_per_call={prompts_per_call} must divide the generation "
+                     f"batch of {b} prompts.")
+  outs = []
+  for i, s in enumerate(range(0, b, prompts_per_call)):
+    sl = slice(s, s + prompts_per_call)
+    outs.append(jax.device_get(rollout(prompt_ids[sl], prompt_mask[sl],
+                                       jax.random.fold_in(key, i), num_samples)))
+  return {k: np.concatenate([np.asarray(getattr(o, k)) for o in outs]) for k in fields}
+
+
 def make_generate_fn(rollout: RolloutFn, tokenizer, scorer: RewardScorer, *, num_samples: int,
                      max_prompt_length: int, eos_ids: Sequence[int],
-                     key_fn: Callable[[], jax.Array]) -> Callable[[list[MathRecord]], list[Group]]:
-  """The ``generate_fn`` of ``DynamicSampler``: rollout, decode, score, group (spec 5)."""
+                     key_fn: Callable[[], jax.Array], prompts_per_call: int = 0
+                     ) -> Callable[[list[MathRecord]], list[Group]]:
+  """The ``generate_fn`` of ``DynamicSampler``: rollout, decode, score, group (spec 5).
+
+  ``records`` is the whole generation batch (``global_batches``), the same on every process;
+  so are the groups returned.
+  """
 
   def generate(records: list[MathRecord]) -> list[Group]:
     prompt_ids, prompt_mask = render_batch(records, tokenizer, max_prompt_length)
-    out = rollout(prompt_ids, prompt_mask, key_fn(), num_samples)
-    out = jax.device_get(out)  # the one device->host copy of this generation batch
-    resp = np.asarray(out.response_ids)
-    lengths = np.asarray(out.lengths)
+    out = _rollout_chunks(rollout, prompt_ids, prompt_mask, key_fn(), num_samples,
+                          prompts_per_call)
+    resp, lengths = out["response_ids"], out["lengths"]
     texts = decode_responses(tokenizer, resp, lengths, eos_ids)
     gts = [r.ground_truth for r in records for _ in range(num_samples)]
-    rewards = scorer(texts, gts, lengths)
+    rewards = score_spread(scorer, texts, gts, lengths)
+    response_mask, logprobs, truncated = out["response_mask"], out["logprobs"], out["truncated"]
     groups = []
     g = num_samples
     for i, rec in enumerate(records):
@@ -90,9 +172,9 @@ def make_generate_fn(rollout: RolloutFn, tokenizer, scorer: RewardScorer, *, num
       payload = dict(
           prompt_ids=np.repeat(prompt_ids[i:i + 1], g, axis=0),
           prompt_mask=np.repeat(prompt_mask[i:i + 1], g, axis=0).astype(bool),
-          response_ids=resp[sl], response_mask=np.asarray(out.response_mask)[sl].astype(bool),
-          logprobs=np.asarray(out.logprobs)[sl].astype(np.float32), lengths=lengths[sl],
-          truncated=np.asarray(out.truncated)[sl].astype(bool), texts=texts[sl],
+          response_ids=resp[sl], response_mask=response_mask[sl].astype(bool),
+          logprobs=logprobs[sl].astype(np.float32), lengths=lengths[sl],
+          truncated=truncated[sl].astype(bool), texts=texts[sl],
           score=rewards.score[sl], penalty=rewards.overlong_penalty[sl],
           num_errors=rewards.num_errors if i == 0 else 0,
           num_timeouts=rewards.num_timeouts if i == 0 else 0)
@@ -174,3 +256,10 @@ def sampler_state_from_json(state: dict[str, Any]) -> dict[str, Any]:
     carried.append({"prompt": MathRecord(**g["prompt"]), "acc": np.asarray(g["acc"], bool),
                     "reward": np.asarray(g["reward"], np.float32), "payload": payload})
   return {**state, "carried": carried}
+
+
+def rows_on_device(x: np.ndarray, mesh, rules: shd.Rules = shd.TRAIN_RULES) -> jax.Array:
+  """A batch-major host array (the same on every process) as the compiled step's input: rows
+  over the data axes; on several processes a global array each process fills with its rows."""
+  sharding = None if mesh is None else shd.batch_sharding(mesh, rules, x.ndim, x.shape[0])
+  return distributed.host_to_global(x, sharding)

@@ -32,6 +32,19 @@ def build_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
   return shd.make_mesh([tuple(a) for a in config.mesh])
 
 
+def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | None
+                       ) -> Mesh | None:
+  """The rollout mesh: ``config.rollout_mesh`` over the same devices, else the training mesh.
+
+  Parameters move between the two layouts once per rollout call (``sharding.reshard_cost``
+  gives the peak memory of that move).
+  """
+  axes = config.get("rollout_mesh") or []
+  if train_mesh is None or not axes:
+    return train_mesh
+  return shd.make_mesh([tuple(a) for a in axes])
+
+
 def build_tokenizer(config: ml_collections.ConfigDict):
   kind, path = config.tokenizer.kind, config.tokenizer.path or config.model.checkpoint
   if kind == "char":

@@ -181,3 +181,44 @@ def reshard(tree: Any, shardings: Any, donate: bool = False) -> Any:
   """Moves a pytree of arrays to new shardings (e.g. training layout -> rollout layout)."""
   return jax.jit(lambda t: t, out_shardings=shardings, donate_argnums=(0,) if donate else ())(
       tree)
+
+
+# --- memory of a layout --------------------------------------------------------------------------
+
+
+def per_device_bytes(tree: Any, shardings: Any) -> int:
+  """Bytes one device holds of ``tree`` (arrays or ShapeDtypeStructs) laid out by ``shardings``
+  (the largest shard, so uneven layouts are not under-counted)."""
+  total = 0
+  for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shape = s.shard_shape(tuple(x.shape)) if s is not None else tuple(x.shape)
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardCost:
+  """Per-device bytes of moving a tree between two layouts (e.g. training -> rollout).
+
+  The source stays alive (training keeps its state), so the move peaks at
+  ``src + dst + temp``: ``temp`` is what XLA adds for the collectives (all-gathers over the axes
+  the destination replicates), read from the compiled program.
+  """
+  src: int
+  dst: int
+  temp: int
+
+  @property
+  def peak(self) -> int:
+    return self.src + self.dst + self.temp
+
+
+def reshard_cost(tree: Any, src: Any, dst: Any) -> ReshardCost:
+  """Compiles ``reshard(tree: src -> dst)`` ahead of time (``tree`` may be abstract, the devices
+  compile-only ones of a TPU topology) and reads its memory analysis."""
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          tree, src)
+  compiled = jax.jit(lambda t: t, out_shardings=dst).lower(abstract).compile()
+  mem = compiled.memory_analysis()
+  return ReshardCost(src=per_device_bytes(tree, src), dst=per_device_bytes(tree, dst),
+                     temp=int(getattr(mem, "temp_size_in_bytes", 0)) if mem else 0)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dapo_jax import config as config_lib
+from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
 from dapo_jax import experience as exp
 from dapo_jax import run_setup
@@ -97,15 +98,15 @@ def _committed(state, mesh):
 
 
 def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
-                  rows_per_update: int):
+                  rows_per_update: int, mesh):
+  """Host rows -> device mini-batches (global arrays on several processes)."""
+  dev = lambda x: exp.rows_on_device(x, mesh)
   for s in range(0, traj.num_rows, rows_per_update):
     sl = slice(s, s + rows_per_update)
     yield TrainBatch(
-        input_ids=jnp.asarray(traj.input_ids[sl]),
-        attention_mask=jnp.asarray(traj.attention_mask[sl]),
-        response_mask=jnp.asarray(traj.response_mask[sl]),
-        old_log_probs=jnp.asarray(old_logp[sl]), advantages=jnp.asarray(adv[sl]),
-        truncated=jnp.asarray(traj.truncated[sl]))
+        input_ids=dev(traj.input_ids[sl]), attention_mask=dev(traj.attention_mask[sl]),
+        response_mask=dev(traj.response_mask[sl]), old_log_probs=dev(old_logp[sl]),
+        advantages=dev(adv[sl]), truncated=dev(traj.truncated[sl]))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -124,7 +125,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   eval_records = (run_setup.load_dataset(config.data.eval, config, "eval")
                   if config.data.eval else [])
   sampler_graphdef, _ = nnx.split(model)
-  rollout = make_rollout(config, sampler_graphdef, mesh, tokenizer)
+  if jax.process_count() > 1 and config.rollout.engine != "static":
+    raise ValueError(f"config.rollout.engine={config.rollout.engine!r} drives its slots from one "
+                     "host; on several processes use rollout.engine='static'.")
+  # On several processes: host prompts in, the same host RolloutBatch out on every process.
+  rollout_mesh = run_setup.build_rollout_mesh(config, mesh)
+  rollout = exp.global_rollout(make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer),
+                               rollout_mesh)
   tcfg = run_setup.train_config(config)
   graphdef, state = init_train_state(model, tcfg, mesh)
   state = _committed(state, mesh)
@@ -157,7 +164,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   generate_fn = exp.make_generate_fn(
       lambda ids, mask, key, n: rollout(state.params, ids, mask, key, params, n), tokenizer,
       scorer, num_samples=config.rollout.n, max_prompt_length=config.data.max_prompt_length,
-      eos_ids=params.eos_ids, key_fn=key_fn)
+      eos_ids=params.eos_ids, key_fn=key_fn,
+      prompts_per_call=config.rollout.prompts_per_call)
   sampler = DynamicSampler(
       generate_fn, train_batch_size=config.optim.train_batch_size,
       max_num_gen_batches=config.algorithm.max_num_gen_batches if
@@ -206,22 +214,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     timer = Timer()
     with timer("rollout"):
       try:
-        groups, ds_stats = sampler.sample(iterator)
+        groups, ds_stats = sampler.sample(exp.global_batches(iterator))
       except DynamicSamplingError as err:
         raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
       traj = exp.groups_to_trajectories(groups)
+      # Every process must train on the same batch (the filter saw gathered rewards).
+      distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
+                                               "The dynamic-sampling batch")
       adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
     with timer("old_logprob"):
       if config.rollout.use_sampler_logprobs:
         old_logp, entropy = traj.sampler_logprobs, None
       else:
-        old_logp, entropy = logp_fn(state.params, jnp.asarray(traj.input_ids),
-                                    jnp.asarray(traj.attention_mask), traj.response_len)
-        old_logp = np.asarray(old_logp)
+        old_logp, entropy = distributed.global_to_host(logp_fn(
+            state.params, exp.rows_on_device(traj.input_ids, mesh),
+            exp.rows_on_device(traj.attention_mask, mesh), traj.response_len))
     with timer("update"):
       updates = []
       for _ in range(config.optim.ppo_epochs):
-        for batch in _mini_batches(traj, adv, old_logp, rows_per_update):
+        for batch in _mini_batches(traj, adv, old_logp, rows_per_update, mesh):
           state, m = step_fn(state, batch, step)
           updates.append(m)
       updates = jax.device_get(updates)

@@ -20,7 +20,7 @@ fi
 # shellcheck disable=SC1091
 source "$_root/.venv/bin/activate"
 _spec="$_root"
-[ -n "$_extra" ] && _spec="$_root[$_extra]"
+[ -n "$_extra" ] && _spec="${_root}[${_extra}]"
 echo "[setup_env] pip install -e '$_spec'"
 python -m pip install -q -e "$_spec"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"

@@ -3,7 +3,8 @@
 # log per worker, checkpoints and metrics in a GCS workdir.
 #   bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [--dry-run] [-- --config.x=y]
-# --dry-run prints every command instead of running it.
+# --dry-run prints every command instead of running it. Check first that the config fits:
+#   dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4
 set -euo pipefail
 name="" zone="" type="" config="" workdir="" version="v2-alpha-tpuv5" dry=0 extra=()
 while [ $# -gt 0 ]; do
@@ -30,6 +31,7 @@ run gcloud compute tpus tpu-vm create "$name" --zone "$zone" --accelerator-type 
 run gcloud compute tpus tpu-vm scp --recurse "$root" "$name:~/dapo_jax" --zone "$zone" --worker=all
 run "${ssh_all[@]}" "cd ~/dapo_jax && python3 -m pip install -q -e '.[tpu]'"
 # jax.distributed.initialize() finds the other workers by itself on a TPU pod slice.
-cmd="cd ~/dapo_jax && dapo-train --config $config --workdir $workdir ${extra[*]:-}"
+# pip's console scripts land in ~/.local/bin, which a non-login ssh command may not have.
+cmd="cd ~/dapo_jax && export PATH=\$HOME/.local/bin:\$PATH && dapo-train --config $config --workdir $workdir ${extra[*]:-}"
 run "${ssh_all[@]}" "tmux new-session -d -s dapo \"$cmd 2>&1 | tee ~/dapo_worker_\\\$(hostname).log\""
 echo "Follow a worker: gcloud compute tpus tpu-vm ssh $name --zone $zone --worker=0 --command 'tail -f ~/dapo_worker_*.log'"

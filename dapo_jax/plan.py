@@ -1,0 +1,400 @@
+"""``dapo-plan``: will a config fit a slice? Per-device memory and FLOPs before renting it.
+
+  dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4 \
+      --micro_batch_size 8 --prompts_per_call 48
+  dapo-plan --config configs/dapo_qwen2_5_32b.py --target gpu:h100:16x8 --micro_batch_size 16
+  dapo-plan --config configs/tiny_cpu.py --target cpu:8
+
+TPU and CPU targets compile the real train step, rollout program and train->rollout reshard
+ahead of time (TPU through libtpu on compile-only devices, so a CPU-only host suffices) and read
+XLA's memory and cost analyses. GPU targets get an analytic estimate, labelled as such. The
+old-log-prob forward is not planned: it runs the train step's micro-batches without gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dapo_jax import config as config_lib
+from dapo_jax import plan_estimates as est
+from dapo_jax import run_setup
+from dapo_jax import sharding as shd
+from dapo_jax.models import Qwen2Config, abstract_model, get_preset
+from dapo_jax.rollout.sampler import Sampler
+from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.train_step import (TrainBatch, TrainState, TrainStep, make_optimizer,
+                                 tree_shardings)
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where the config would run: ``tpu:v5p:4x4x4``, ``gpu:h100:16x8`` or ``cpu:8``."""
+  kind: str
+  name: str
+  num_devices: int
+  hbm_bytes: int | None  # None: unknown (CPU)
+  devices: tuple | None  # compile-capable devices; None: analytic only
+
+  @property
+  def analytic(self) -> bool:
+    return self.devices is None
+
+
+def parse_target(spec: str) -> Target:
+  kind, _, rest = spec.partition(":")
+  if kind == "tpu":
+    gen = rest.split(":")[0].lower()
+    if gen not in est.TPU_HBM_GIB:
+      raise ValueError(f"Unknown TPU generation {gen!r} in {spec!r}; known: "
+                       f"{sorted(est.TPU_HBM_GIB)} (e.g. tpu:v5p:4x4x4).")
+    devices = tpu_devices(rest)
+    return Target("tpu", rest, len(devices), int(est.TPU_HBM_GIB[gen] * GiB), tuple(devices))
+  if kind == "gpu":
+    gen, _, shape = rest.partition(":")
+    if gen.lower() not in est.GPU_HBM_GB or not shape:
+      raise ValueError(f"Use gpu:<{'|'.join(est.GPU_HBM_GB)}>:<nodes>x<gpus per node>, got "
+                       f"{spec!r}.")
+    n = math.prod(int(s) for s in shape.split("x"))
+    usable = est.GPU_HBM_GB[gen.lower()] * 1e9 * est.GPU_MEM_FRACTION
+    return Target("gpu", rest, n, int(usable), None)
+  if kind == "cpu":
+    n = int(rest or jax.device_count("cpu"))
+    cpus = jax.devices("cpu")
+    if len(cpus) < n:
+      raise ValueError(f"Target {spec!r} needs {n} CPU devices, this process has {len(cpus)}: "
+                       f"set XLA_FLAGS=--xla_force_host_platform_device_count={n}.")
+    return Target("cpu", str(n), n, None, tuple(cpus[:n]))
+  raise ValueError(f"Target {spec!r}: use tpu:<gen>:<topology>, gpu:<gpu>:<NxM> or cpu:<n>.")
+
+
+def tpu_devices(topology: str) -> list:
+  """Compile-only devices of a TPU topology (``v5p:4x4x4``), from libtpu on any host."""
+  # Compile-only use opens no chip: let it run next to another libtpu user (a training job,
+  # a second plan) instead of failing on libtpu's one-process lockfile.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    return list(topologies.get_topology_desc(topology, "tpu").devices)
+  except Exception as err:  # pylint: disable=broad-except
+    raise RuntimeError(
+        f"Cannot describe TPU topology {topology!r} ({err}). TPU planning compiles with libtpu: "
+        "pip install 'jax[tpu]' (any host, no TPU needed) or use a gpu:/cpu: target.") from err
+
+
+def parse_mesh(text: str) -> list[tuple[str, int]]:
+  """``fsdp=-1,tensor=8`` -> [("fsdp", -1), ("tensor", 8)]."""
+  out = []
+  for part in filter(None, text.split(",")):
+    name, _, size = part.partition("=")
+    out.append((name.strip(), int(size)))
+  return out
+
+
+class _VocabOnly:
+  """Planning needs the vocabulary size, not the tokenizer files."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+
+def plan_model_config(config: ml_collections.ConfigDict) -> Qwen2Config:
+  """The run's architecture, without reading tokenizer files (the preset's vocabulary is at
+  least the Qwen2.5 tokenizer's, which is what a run uses too)."""
+  if config.tokenizer.kind == "char":
+    size = run_setup.build_tokenizer(config).vocab_size
+  else:
+    size = get_preset(config.model.preset).vocab_size
+  return run_setup.model_config(config, _VocabOnly(size))
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def _mem(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+          "temp_size_in_bytes", "generated_code_size_in_bytes")
+  return {k.replace("_size_in_bytes", ""): int(getattr(m, k)) for k in keys}
+
+
+def peak_bytes(mem: dict[str, int]) -> int:
+  """What a compiled program needs at once: inputs, non-aliased outputs, temporaries."""
+  return mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float((cost or {}).get("flops", 0.0))
+
+
+_OOM = re.compile(r"memory required for (.+?) \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGT]?)\)")
+
+
+def _to_bytes(number: str, unit: str) -> int:
+  return int(float(number) * 1024**"_KMGT".index(unit or "_"))
+
+
+def _compile(lowered) -> tuple[Any, dict[str, Any] | None, float]:
+  """(compiled, None, seconds), or (None, what the compiler lacked, seconds) when libtpu refuses
+  a program that cannot fit in HBM (it says by how much)."""
+  start = time.perf_counter()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as err:
+    m = _OOM.search(str(err))
+    if "RESOURCE_EXHAUSTED" not in str(err) or m is None:
+      raise
+    return None, {"what": m.group(1), "required": _to_bytes(m.group(2), m.group(3)),
+                  "available": _to_bytes(m.group(4), m.group(5))}, time.perf_counter() - start
+  return compiled, None, time.perf_counter() - start
+
+
+def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: str,
+             temp_known: int = 0) -> dict[str, Any]:
+  """Compiled memory and FLOPs. On a compiler OOM the temporaries it asked for fill
+  ``temp_part`` (less ``temp_known``, listed in another part), so the peak is what it needed."""
+  out = {"parts": parts, "compile_seconds": round(seconds, 1)}
+  if compiled is None:
+    if oom["what"] == "HLO temporaries":
+      parts[temp_part] = max(oom["required"] - temp_known, 0)
+    return out | {"oom": oom, "peak": sum(parts.values()), "flops_compiled": 0.0}
+  mem = _mem(compiled)
+  return out | {"memory": mem, "peak": peak_bytes(mem), "flops_compiled": _flops(compiled)}
+
+
+def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+  """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
+  tcfg = run_setup.train_config(config)
+  graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
+  opt_state = jax.eval_shape(make_optimizer(tcfg).init, params)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  state = TrainState(params, rest, opt_state, scalar, scalar)
+  rows = config.optim.mini_batch_size * config.rollout.n
+  p, r = config.data.max_prompt_length, config.rollout.max_response_length
+  sds = jax.ShapeDtypeStruct
+  # Only the fields the loss reads: jit drops unused inputs from the compiled program.
+  batch = TrainBatch(input_ids=sds((rows, p + r), jnp.int32),
+                     attention_mask=sds((rows, p + r), jnp.bool_),
+                     response_mask=sds((rows, r), jnp.bool_),
+                     old_log_probs=sds((rows, r), jnp.float32),
+                     advantages=sds((rows,), jnp.float32),
+                     truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None)
+  compiled, oom, seconds = _compile(TrainStep(graphdef, tcfg, mesh).lower(state, batch))
+  sh = tree_shardings(state, mesh, shd.TRAIN_RULES)
+  batch_sh = jax.tree.map(lambda x: shd.batch_sharding(mesh, shd.TRAIN_RULES, x.ndim, x.shape[0]),
+                          batch)
+  parts = {"params": shd.per_device_bytes(params, sh.params),
+           "opt_state": shd.per_device_bytes(opt_state, sh.opt_state),
+           "batch": shd.per_device_bytes(batch, batch_sh),
+           "activations_and_temp": 0 if compiled is None else _mem(compiled)["temp"]}
+  return _summary(compiled, oom, seconds, parts, "activations_and_temp") | {
+      "num_micro_batches": tcfg.num_micro_batches, "rows": rows,
+      "state_bytes": parts["params"] + parts["opt_state"]}
+
+
+def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: Mesh
+                    ) -> dict[str, Any]:
+  """AOT-compiles one rollout call (prefill + decode loop) and the train -> rollout reshard."""
+  graphdef, state = nnx.split(abstract_model(mcfg))
+  rollout_sh = shd.state_shardings(state, rollout_mesh, shd.SAMPLE_RULES)
+  train_sh = shd.state_shardings(state, train_mesh, shd.TRAIN_RULES)
+  b = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
+  p = config.data.max_prompt_length
+  prompt_sh = shd.batch_sharding(rollout_mesh, shd.SAMPLE_RULES, 2, b)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype,
+                             sharding=NamedSharding(rollout_mesh, PartitionSpec()))
+  sp = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                      top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_response_length,
+                      eos_ids=(mcfg.eos_token_id or 0,), pad_id=mcfg.eos_token_id or 0)
+  sampler = Sampler(graphdef, mesh=rollout_mesh, rules=shd.SAMPLE_RULES)
+  ids = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=prompt_sh)
+  mask = jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=prompt_sh)
+  compiled, oom, seconds = _compile(sampler._program.lower(  # pylint: disable=protected-access
+      _abstract(state, rollout_sh), ids, mask, key, params=sp, num_samples=config.rollout.n))
+  kv = est.kv_cache_bytes_per_device(mcfg, rollout_mesh, b * config.rollout.n,
+                                     p + config.rollout.max_response_length)
+  mem = None if compiled is None else _mem(compiled)
+  parts = {"params": shd.per_device_bytes(state, rollout_sh), "kv_cache_estimate": kv,
+           "other_temp": 0 if mem is None else max(mem["temp"] - kv, 0),
+           "outputs": 0 if mem is None else mem["output"]}
+  summary = _summary(compiled, oom, seconds, parts, "other_temp", temp_known=kv)
+  reshard = shd.reshard_cost(state, train_sh, rollout_sh)
+  return summary | {"prompts_per_call": b,
+                    "reshard": dataclasses.asdict(reshard) | {"peak": reshard.peak}}
+
+
+def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, Any]:
+  """The plan as a JSON-able dict; compiles unless the target is analytic."""
+  config_lib.validate(config)
+  mcfg = plan_model_config(config)
+  plan: dict[str, Any] = {
+      "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
+      "hbm_bytes": target.hbm_bytes, "model_params": mcfg.num_params(),
+      "mesh": [list(a) for a in config.mesh],
+      "rollout_mesh": [list(a) for a in (config.rollout_mesh or config.mesh)],
+      "micro_batch_size": config.optim.micro_batch_size, "remat": config.model.remat,
+      "prompts_per_call": config.rollout.prompts_per_call or config.algorithm.gen_batch_size,
+      "flops_analytic": est.step_flops(config, mcfg)}
+  plan["warnings"] = est.layout_warnings(config, mcfg, target.num_devices)
+  if target.analytic:
+    plan["method"] = "analytic estimate (no compiler for this target on this host)"
+    plan.update(est.analytic_memory(config, mcfg, target.num_devices))
+  else:
+    plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
+    devices = list(target.devices)
+    train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+    rollout_mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
+                                 devices=devices)
+    plan["train"] = compile_train_step(config, mcfg, train_mesh)
+    plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+  # The training state stays on the devices while rollout runs (with its resharded copy).
+  state = plan["train"]["state_bytes"]
+  plan["phase_peaks"] = {"train": plan["train"]["peak"],
+                         "reshard": state - plan["rollout"]["reshard"]["src"]
+                         + plan["rollout"]["reshard"]["peak"],
+                         "rollout": state + plan["rollout"]["peak"]}
+  plan["peak_bytes"] = max(plan["phase_peaks"].values())
+  plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
+  if "oom" in plan["train"] or "oom" in plan["rollout"]:
+    plan["fits"] = False
+  return plan
+
+
+def human_bytes(b: float) -> str:
+  for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+    if abs(b) >= size:
+      return f"{b / size:8.2f} {unit}"
+  return f"{b:8.0f} B  "
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+  g = human_bytes
+  lines = [f"dapo-plan: {plan['target']} ({plan['num_devices']} devices), "
+           f"{plan['model_params'] / 1e6:,.1f}M params -- {plan['method']}",
+           f"  mesh {plan['mesh']}  rollout mesh {plan['rollout_mesh']}  micro-batch "
+           f"{plan['micro_batch_size']}  remat {plan['remat']}  prompts/rollout call "
+           f"{plan['prompts_per_call']}",
+           "  per device:"]
+  t, r = plan["train"], plan["rollout"]
+  how = lambda part: ("peak (compiled)" if "memory" in part else
+                      "peak (compiler OOM)" if "oom" in part else "peak (estimate)")
+  for label, part in (("train  ", t), ("rollout", r)):
+    for name, b in part["parts"].items():
+      lines.append(f"    {label} {name:<22}{g(b)}")
+    lines.append(f"    {label} {how(part):<22}{g(part['peak'])}")
+  rs = r["reshard"]
+  lines.append(f"    reshard train->rollout peak     {g(rs['peak'])}  (src {g(rs['src'])} + dst "
+               f"{g(rs['dst'])} + temp {g(rs['temp'])})")
+  for name, b in plan["phase_peaks"].items():
+    lines.append(f"    phase {name:<24}{g(b)}")
+  cap = plan["hbm_bytes"]
+  verdict = ("unknown capacity" if cap is None else
+             f"{'FITS' if plan['fits'] else 'DOES NOT FIT'} in {cap / GiB:.1f} GiB")
+  lines.append(f"  peak {g(plan['peak_bytes'])} per device: {verdict}")
+  f = plan["flops_analytic"]
+  lines.append(f"  FLOPs per RL step (analytic, all devices): rollout {f['rollout']:.3e}, "
+               f"old log-probs {f['logprob']:.3e}, updates {f['train']:.3e}, "
+               f"total {f['total']:.3e} = {f['total'] / plan['num_devices']:.3e} per device")
+  if "flops_compiled" in t and t["flops_compiled"]:
+    lines.append(f"  compiled FLOPs per device (loop bodies counted once): train step "
+                 f"{t['flops_compiled']:.3e} x {t['num_micro_batches']} micro-batches, rollout "
+                 f"call {r['flops_compiled']:.3e}")
+  for name, part in (("train step", t), ("rollout", r)):
+    if "oom" in part:
+      o = part["oom"]
+      lines.append(f"  the compiler refused the {name}: {o['what']} need "
+                   f"{o['required'] / GiB:.2f} GiB, {o['available'] / GiB:.2f} GiB available")
+  if "compile_seconds" in t:
+    lines.append(f"  compile time: train step {t['compile_seconds']:.0f} s, rollout "
+                 f"{r['compile_seconds']:.0f} s")
+  lines += [f"  warning: {w}" for w in plan["warnings"]]
+  return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="dapo-plan", description=__doc__.split("\n")[0])
+  p.add_argument("--config", required=True, help="config file (path[:variant]).")
+  p.add_argument("--target", required=True, help="tpu:v5p:4x4x4 | gpu:h100:16x8 | cpu:8")
+  p.add_argument("--mesh", help="training mesh override, e.g. fsdp=-1,tensor=8")
+  p.add_argument("--rollout_mesh", help="rollout mesh override, e.g. data=-1,tensor=8")
+  p.add_argument("--micro_batch_size", type=int, help="optim.micro_batch_size (trajectories)")
+  p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
+  p.add_argument("--prompts_per_call", type=int, help="rollout.prompts_per_call")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="any other config leaf, e.g. --set rollout.max_response_length=4096")
+  p.add_argument("--json", help="also write the plan as JSON here")
+  return p.parse_args(argv)
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """``path[:variant]`` as ``dapo-train --config`` reads it."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("dapo_plan_config", path)
+  if module_spec is None:
+    raise FileNotFoundError(f"Config file {path!r} not found.")
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def configure(args: argparse.Namespace) -> ml_collections.ConfigDict:
+  config = load_config(args.config)
+  if args.mesh:
+    config.mesh = parse_mesh(args.mesh)
+  if args.rollout_mesh:
+    config.rollout_mesh = parse_mesh(args.rollout_mesh)
+  if args.micro_batch_size:
+    config.optim.micro_batch_size = args.micro_batch_size
+  if args.remat:
+    config.model.remat = args.remat
+  if args.prompts_per_call is not None:
+    config.rollout.prompts_per_call = args.prompts_per_call
+  for item in args.set:
+    field, _, value = item.partition("=")
+    *parents, leaf = field.split(".")
+    node = config
+    for name in parents:
+      node = node[name]
+    node[leaf] = type(node[leaf])(json.loads(value) if not isinstance(node[leaf], str) else value)
+  return config
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  target = parse_target(args.target)
+  plan = make_plan(configure(args), target)
+  print(format_plan(plan))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(plan, f, indent=2)
+  return plan
+
+
+def run() -> None:
+  main()
+
+
+if __name__ == "__main__":
+  run()

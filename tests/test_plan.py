@@ -1,0 +1,138 @@
+"""``dapo-plan``: the ahead-of-time figures are those of the programs the trainer runs."""
+
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import plan as plan_lib
+from dapo_jax import run_setup
+from dapo_jax.models import create_model
+from dapo_jax.train_step import TrainBatch, TrainStep, init_train_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+MESH = "data=2,fsdp=2,tensor=2"
+
+
+def _tiny_args(*extra):
+  return plan_lib._parse(["--config", os.path.join(CONFIGS, "tiny_cpu.py"), "--target", "cpu:8",
+                          "--mesh", MESH, "--micro_batch_size", "16", *extra])
+
+
+def _scalars_bytes(n=3):
+  return 4 * n  # int32 update step, skipped-update count and rollout step
+
+
+def test_cpu_plan_matches_the_trainers_compiled_step():
+  config = plan_lib.configure(_tiny_args())
+  config.model.overrides.num_hidden_layers = 2
+  plan = plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"))
+  train = plan["train"]
+  # The plan's memory is XLA's own analysis of the program it compiled ...
+  mem = train["memory"]
+  assert train["peak"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+  # ... whose inputs are exactly the parts it names (params, Adam moments, batch, 3 scalars).
+  p = train["parts"]
+  assert mem["argument"] == p["params"] + p["opt_state"] + p["batch"] + _scalars_bytes()
+  assert mem["alias"] == p["params"] + p["opt_state"] + _scalars_bytes(2)  # the donated state
+
+  # The same numbers as the step the trainer compiles from real, sharded arrays.
+  mesh = run_setup.build_mesh(config)
+  mcfg = plan_lib.plan_model_config(config)
+  tcfg = run_setup.train_config(config)
+  graphdef, state = init_train_state(create_model(mcfg, mesh=mesh), tcfg, mesh)
+  rows, r = config.optim.mini_batch_size * config.rollout.n, config.rollout.max_response_length
+  t = config.data.max_prompt_length + r
+  batch = TrainBatch(jnp.zeros((rows, t), jnp.int32), jnp.ones((rows, t), bool),
+                     jnp.ones((rows, r), bool), jnp.zeros((rows, r)), jnp.zeros((rows,)),
+                     truncated=jnp.zeros((rows,), bool))
+  step = TrainStep(graphdef, tcfg, mesh)
+  real = step.jitted(state, batch).lower(state, batch, jnp.int32(0)).compile().memory_analysis()
+  assert mem["argument"] == real.argument_size_in_bytes
+  assert mem["output"] == real.output_size_in_bytes
+  assert mem["temp"] == real.temp_size_in_bytes
+
+  roll = plan["rollout"]
+  assert roll["peak"] == roll["memory"]["argument"] + roll["memory"]["output"] - roll["memory"][
+      "alias"] + roll["memory"]["temp"]
+  assert 0 < roll["parts"]["kv_cache_estimate"] <= roll["memory"]["temp"]
+  # Phases: the training state stays resident while the rollout copy exists.
+  assert plan["phase_peaks"]["rollout"] == train["state_bytes"] + roll["peak"]
+  assert plan["peak_bytes"] == max(plan["phase_peaks"].values())
+  # Analytic FLOPs of the updates against the compiled count (XLA counts the micro-batch loop
+  # body once).
+  updates = config.optim.train_batch_size // config.optim.mini_batch_size
+  compiled = train["flops_compiled"] * train["num_micro_batches"] * plan["num_devices"] * updates
+  np.testing.assert_allclose(plan["flops_analytic"]["train"], compiled, rtol=0.1)
+
+
+def test_cli_overrides_and_json(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  plan = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
+                        "gpu:h100:16x8", "--mesh", "fsdp=-1,tensor=4", "--rollout_mesh",
+                        "data=-1,tensor=8", "--micro_batch_size", "64", "--remat", "dots",
+                        "--set", "rollout.max_response_length=8192", "--json", str(out)])
+  text = capsys.readouterr().out
+  assert "gpu:h100:16x8 (128 devices)" in text and "phase rollout" in text
+  assert plan["mesh"] == [["fsdp", -1], ["tensor", 4]]
+  assert plan["rollout_mesh"] == [["data", -1], ["tensor", 8]]
+  assert (plan["micro_batch_size"], plan["remat"]) == (64, "dots")
+  assert json.loads(out.read_text())["peak_bytes"] == plan["peak_bytes"]
+  # A shorter response budget shrinks the KV cache proportionally to P + R.
+  short = plan["rollout"]["parts"]["kv_cache_estimate"]
+  full = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
+                        "gpu:h100:16x8", "--rollout_mesh", "data=-1,tensor=8"])
+  assert full["rollout"]["parts"]["kv_cache_estimate"] * (2048 + 8192) == short * (2048 + 20480)
+
+
+def test_gpu_plan_is_an_analytic_estimate(capsys):
+  plan = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
+                        "gpu:h100:16x8", "--prompts_per_call", "32"])
+  assert "analytic estimate" in capsys.readouterr().out
+  assert "memory" not in plan["train"]  # nothing was compiled
+  # 32B bf16 parameters split over fsdp=16 x tensor=8, Adam's two moments likewise.
+  n = plan["model_params"]
+  assert plan["train"]["parts"]["params"] == n * 2 // 128
+  assert plan["train"]["parts"]["opt_state"] == 2 * plan["train"]["parts"]["params"]
+  assert plan["rollout"]["parts"]["params"] == n * 2 // 8
+  # The paper's micro-batch of 2 trajectories cannot split over 16 batch shards.
+  assert any("micro-batch of 2" in w for w in plan["warnings"])
+
+
+def test_targets_fail_with_a_fix():
+  with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
+    plan_lib.parse_target("cpu:64")
+  with pytest.raises(ValueError, match="Unknown TPU generation"):
+    plan_lib.parse_target("tpu:v9:2x2")
+  with pytest.raises(ValueError, match="gpu:<"):
+    plan_lib.parse_target("gpu:h100")
+
+
+def _libtpu_missing() -> str | None:
+  if importlib.util.find_spec("libtpu") is None:
+    return "libtpu is not installed (pip install 'jax[tpu]' to plan TPU slices on any host)"
+  return None
+
+
+@pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
+def test_tpu_plan_compiles_for_a_topology_on_this_host():
+  # The 0.5B preset's shapes with 2 of its 24 layers: the compile takes seconds, not minutes.
+  args = plan_lib._parse(["--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"),
+                          "--target", "tpu:v5p:2x2x1", "--set", "rollout.max_response_length=64",
+                          "--set", "reward.overlong_buffer_len=16",
+                          "--set", "data.max_prompt_length=64"])
+  config = plan_lib.configure(args)
+  config.model.overrides = dict(num_hidden_layers=2)
+  plan = plan_lib.make_plan(config, plan_lib.parse_target(args.target))
+  assert plan["num_devices"] == 4 and plan["fits"] is True
+  mem, p = plan["train"]["memory"], plan["train"]["parts"]
+  # TPU buffers are padded to (8, 128) tiles: biases and norm scales take a little more than
+  # their logical bytes.
+  logical = p["params"] + p["opt_state"] + p["batch"] + _scalars_bytes()
+  assert logical <= mem["argument"] <= 1.01 * logical
+  assert plan["train"]["peak"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+  assert plan["rollout"]["parts"]["kv_cache_estimate"] <= plan["rollout"]["memory"]["temp"]
