@@ -34,6 +34,7 @@ from dapo_jax import config as config_lib
 from dapo_jax import plan_estimates as est
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
+from dapo_jax.models import attention
 from dapo_jax.models import Qwen2Config, abstract_model, get_preset
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
@@ -267,8 +268,14 @@ def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, An
     train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
     rollout_mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
                                  devices=devices)
-    plan["train"] = compile_train_step(config, mcfg, train_mesh)
-    plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+    # Kernels as on the target: "auto" attention is Pallas splash on TPU, not the XLA einsums.
+    with attention.compile_for(target.kind):
+      plan["train"] = compile_train_step(config, mcfg, train_mesh)
+      plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+    plan["attention"] = attention.resolve_impl(
+        config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
+        seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
+        head_dim=mcfg.dim_per_head)
   # The training state stays on the devices while rollout runs (with its resharded copy).
   state = plan["train"]["state_bytes"]
   plan["phase_peaks"] = {"train": plan["train"]["peak"],
@@ -295,7 +302,8 @@ def format_plan(plan: dict[str, Any]) -> str:
            f"{plan['model_params'] / 1e6:,.1f}M params -- {plan['method']}",
            f"  mesh {plan['mesh']}  rollout mesh {plan['rollout_mesh']}  micro-batch "
            f"{plan['micro_batch_size']}  remat {plan['remat']}  prompts/rollout call "
-           f"{plan['prompts_per_call']}",
+           f"{plan['prompts_per_call']}"
+           + (f"  attention {plan['attention']}" if "attention" in plan else ""),
            "  per device:"]
   t, r = plan["train"], plan["rollout"]
   how = lambda part: ("peak (compiled)" if "memory" in part else

@@ -129,6 +129,7 @@ def test_tpu_plan_compiles_for_a_topology_on_this_host():
   config.model.overrides = dict(num_hidden_layers=2)
   plan = plan_lib.make_plan(config, plan_lib.parse_target(args.target))
   assert plan["num_devices"] == 4 and plan["fits"] is True
+  assert plan["attention"] == "splash"  # 64 + 64 tokens: the TPU kernel, compiled by libtpu
   mem, p = plan["train"]["memory"], plan["train"]["parts"]
   # TPU buffers are padded to (8, 128) tiles: biases and norm scales take a little more than
   # their logical bytes.

@@ -28,6 +28,7 @@ from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
 
 _SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence
 _INTERPRET = contextvars.ContextVar("dapo_jax_pallas_interpret", default=False)
+_TARGET_PLATFORM = contextvars.ContextVar("dapo_jax_target_platform", default=None)
 
 
 @flax.struct.dataclass
@@ -41,6 +42,25 @@ class Mask:
   dense_BxTxS: jax.Array
   key_valid_BxS: jax.Array
   causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+@contextlib.contextmanager
+def compile_for(platform: str | None):
+  """Picks kernels for `platform` ("tpu", "gpu", "cpu") instead of the default backend.
+
+  For ahead-of-time compiles on another platform's devices (`dapo-plan` compiles TPU programs
+  with libtpu on a CPU host): "auto" then resolves as it would on that platform, and the fused
+  kernels' backend checks accept it.
+  """
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def _backend() -> str:
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 @contextlib.contextmanager
@@ -71,7 +91,7 @@ def resolve_impl(impl: str, *, platform: str | None = None, dtype=None,
     raise ValueError(f"attention_impl={impl!r}; choose one of {IMPLS}.")
   if impl != "auto":
     return impl
-  platform = platform or jax.default_backend()
+  platform = platform or _backend()
   if platform in ("gpu", "cuda") and _cudnn_fits(dtype, seq_len, head_dim):
     return "cudnn"
   if platform == "tpu" and _splash_block(seq_len):
@@ -114,9 +134,9 @@ def decode_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
 
 def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):
   """cuDNN flash attention; the causal flag lets it skip the blocks above the diagonal."""
-  if jax.default_backend() != "gpu":
+  if _backend() != "gpu":
     raise RuntimeError(f"attention_impl='cudnn' needs an NVIDIA GPU, but the backend is "
-                       f"{jax.default_backend()!r}; use 'auto' or 'xla'.")
+                       f"{_backend()!r}; use 'auto' or 'xla'.")
   if jnp.dtype(q_BxTxHxE.dtype) not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"attention_impl='cudnn' needs bf16/fp16 compute, got {q_BxTxHxE.dtype}; "
                      f"set model.dtype='bfloat16' or use 'auto'.")
@@ -167,9 +187,9 @@ def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, key_valid_BxS, *,
   interpret = _INTERPRET.get() if interpret is None else interpret
   b, t, h, e = q_BxTxHxE.shape
   kh = k_BxSxKxE.shape[2]
-  if not interpret and jax.default_backend() != "tpu":
+  if not interpret and _backend() != "tpu":
     raise RuntimeError(f"attention_impl='splash' is a TPU kernel, but the backend is "
-                       f"{jax.default_backend()!r}; use 'auto' or 'xla' (tests: interpret_pallas).")
+                       f"{_backend()!r}; use 'auto' or 'xla' (tests: interpret_pallas).")
   block = _splash_block(t)
   if block is None or k_BxSxKxE.shape[1] != t:
     raise ValueError(f"attention_impl='splash' needs T == S, a multiple of 128; got T={t}, "
