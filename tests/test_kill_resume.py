@@ -25,6 +25,7 @@ import pytest
 
 from tests import fault_report
 from tests import kill_target
+from tests.tiny_run_flags import TINY_RUN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -35,16 +36,8 @@ NUM_WRITE_KILLS = 4
 CORRUPT_BEFORE_LAUNCH = 6  # the relaunch after this many kills finds a truncated newest step
 LAUNCH_TIMEOUT_S = 300
 FLAGS = [
-    f"--config={TINY}", f"--config.num_steps={NUM_STEPS}",
-    "--config.model.overrides.hidden_size=32", "--config.model.overrides.intermediate_size=64",
-    "--config.model.overrides.num_hidden_layers=1",
-    "--config.model.overrides.num_attention_heads=2",
-    "--config.model.overrides.num_key_value_heads=1", "--config.sft.steps=0",
-    "--config.rollout.n=4", "--config.rollout.max_response_length=12",
-    "--config.reward.overlong_buffer_len=4", "--config.algorithm.dynamic_sampling=False",
-    "--config.algorithm.gen_batch_size=4", "--config.optim.train_batch_size=4",
-    "--config.optim.mini_batch_size=2", "--config.eval.every=0",
-    "--config.data.arithmetic.num_train=64", "--config.checkpoint.save_every=1",
+    f"--config={TINY}", f"--config.num_steps={NUM_STEPS}", *TINY_RUN_FLAGS,
+    "--config.checkpoint.save_every=1",
     "--config.checkpoint.max_to_keep=3", "--config.checkpoint.async_save=True"]
 # Metrics that depend on wall time, not on the computation.
 _TIMING = ("time/", "perf/")
