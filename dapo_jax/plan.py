@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -39,7 +40,7 @@ from dapo_jax.models import Qwen2Config, abstract_model, get_preset
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.train_step import (TrainBatch, TrainState, TrainStep, make_optimizer,
-                                 tree_shardings)
+                                 master_params, tree_shardings)
 
 GiB = 1024**3
 
@@ -188,6 +189,8 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
   tcfg = run_setup.train_config(config)
   graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
+  # As `init_train_state`: fp32 master weights (and so fp32 Adam moments) for a bf16 model.
+  params = jax.eval_shape(functools.partial(master_params, cfg=tcfg), params)
   opt_state = jax.eval_shape(make_optimizer(tcfg).init, params)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   state = TrainState(params, rest, opt_state, scalar, scalar)

@@ -142,6 +142,20 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                      optax.add_decayed_weights(cfg.weight_decay))
 
 
+def _below_master(x, cfg: TrainConfig) -> bool:
+  return bool(cfg.master_dtype) and jnp.issubdtype(x.dtype, jnp.floating) and (
+      jnp.finfo(x.dtype).bits < jnp.finfo(jnp.dtype(cfg.master_dtype)).bits)
+
+
+def master_params(params: nnx.State, cfg: TrainConfig) -> nnx.State:
+  """The trained copy: params of lower precision than `cfg.master_dtype` cast up to it.
+
+  Pure, so `jax.eval_shape` gives the abstract state `dapo-plan` compiles against.
+  """
+  return jax.tree.map(
+      lambda x: x.astype(cfg.master_dtype) if _below_master(x, cfg) else x, params)
+
+
 def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None,
                      rules: shd.Rules = shd.TRAIN_RULES) -> tuple[nnx.GraphDef, TrainState]:
   """Splits the model once; AdamW moments are created in the params' layout.
@@ -153,14 +167,10 @@ def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = No
   model); the forward still computes in the model's `dtype`.
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  if cfg.master_dtype:
-    master = jnp.dtype(cfg.master_dtype)
-    low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < (
-        jnp.finfo(master).bits)
-    if any(low(x) for x in jax.tree.leaves(params)):
-      cast = functools.partial(cast_params, dtype=master)
-      out = None if mesh is None else tree_shardings(jax.eval_shape(cast, params), mesh, rules)
-      params = jax.jit(cast, out_shardings=out)(params)
+  if any(_below_master(x, cfg) for x in jax.tree.leaves(params)):
+    cast = functools.partial(master_params, cfg=cfg)
+    out = None if mesh is None else tree_shardings(jax.eval_shape(cast, params), mesh, rules)
+    params = jax.jit(cast, out_shardings=out)(params)
   init = make_optimizer(cfg).init
   if mesh is None:
     opt_state = jax.jit(init)(params)

@@ -123,3 +123,15 @@ def test_samplers_read_fp32_master_weights_as_the_model_dtype(engine):
          for s in (state, master)]
   np.testing.assert_array_equal(out[0].response_ids, out[1].response_ids)
   np.testing.assert_array_equal(out[0].logprobs, out[1].logprobs)
+
+
+def test_master_params_gives_the_state_init_train_state_builds():
+  """`dapo-plan` compiles against `master_params`' abstract state: it must match the real one."""
+  cfg = get_preset("test").replace(param_dtype="bfloat16", dtype="bfloat16")
+  tcfg = ts.TrainConfig()
+  _, params, _ = nnx.split(create_model(cfg), nnx.Param, ...)
+  abstract = jax.eval_shape(lambda p: ts.master_params(p, tcfg), params)
+  _, state = ts.init_train_state(create_model(cfg), tcfg)
+  real = jax.tree.map(lambda x: (x.shape, x.dtype), state.params)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), abstract) == real
+  assert {x.dtype for x in jax.tree.leaves(abstract)} == {jnp.dtype(jnp.float32)}
