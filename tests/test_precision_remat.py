@@ -3,6 +3,7 @@
 import contextlib
 import io
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,7 @@ def test_cast_params_for_rollout():
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])
-def test_samplers_read_fp32_master_weights_as_the_model_dtype(engine):
+def test_samplers_read_fp32_master_weights_as_the_model_dtype(engine, monkeypatch):
   """A bf16 model's fp32 master copy samples exactly as its own bf16 weights do."""
   from dapo_jax.rollout import Sampler, SamplingParams  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.continuous import ContinuousSampler  # pylint: disable=g-import-not-at-top
@@ -119,8 +120,18 @@ def test_samplers_read_fp32_master_weights_as_the_model_dtype(engine):
   params = SamplingParams(temperature=1.0, max_new_tokens=6)
   sampler = (Sampler(graphdef) if engine == "static"
              else ContinuousSampler(graphdef, num_slots=2, chunk_steps=4))
+  # The samplers must cast the master copy down themselves (the model's Dense layers would
+  # hide a missing cast from the outputs alone, at twice the weight bytes per decode step).
+  module = sys.modules[Sampler.__module__ if engine == "static" else ContinuousSampler.__module__]
+  casts = []
+  real_cast = module.cast_params
+  def spy(tree, dtype):
+    casts.append(jnp.dtype(dtype))
+    return real_cast(tree, dtype)
+  monkeypatch.setattr(module, "cast_params", spy)
   out = [sampler.generate(s, ids, mask, jax.random.key(3), params, num_samples=2)
          for s in (state, master)]
+  assert casts and set(casts) == {jnp.dtype(jnp.bfloat16)}
   np.testing.assert_array_equal(out[0].response_ids, out[1].response_ids)
   np.testing.assert_array_equal(out[0].logprobs, out[1].logprobs)
 
