@@ -209,83 +209,92 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = ProgressBar(config.num_steps, initial=start_step, fields={
       "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
       "eval": evaluator.headline})
-  for step in range(start_step, config.num_steps):
-    counter.update(step=step, gen=0)
-    timer = Timer()
-    with timer("rollout"):
-      try:
-        groups, ds_stats = sampler.sample(exp.global_batches(iterator))
-      except DynamicSamplingError as err:
-        raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
-      traj = exp.groups_to_trajectories(groups)
-      # Every process must train on the same batch (the filter saw gathered rewards).
-      distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
-                                               "The dynamic-sampling batch")
-      adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
-    with timer("old_logprob"):
-      if config.rollout.use_sampler_logprobs:
-        old_logp, entropy = traj.sampler_logprobs, None
-      else:
-        old_logp, entropy = distributed.global_to_host(logp_fn(
-            state.params, exp.rows_on_device(traj.input_ids, mesh),
-            exp.rows_on_device(traj.attention_mask, mesh), traj.response_len))
-    with timer("update"):
-      updates = []
-      for _ in range(config.optim.ppo_epochs):
-        for batch in _mini_batches(traj, adv, old_logp, rows_per_update, mesh):
-          state, m = step_fn(state, batch, step)
-          updates.append(m)
-      updates = jax.device_get(updates)
-      metrics = _mean_metrics(updates)
-    for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
-      consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-    metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
-    metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
-                                       buffer_len=config.reward.overlong_buffer_len))
-    metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
-    if not config.rollout.use_sampler_logprobs:
-      # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
-      # update is silently off-policy (verl logs the same as rollout_probs_diff).
-      m = traj.response_mask
-      metrics["rollout/logprob_diff_max"] = float(
-          np.abs(np.where(m, traj.sampler_logprobs - old_logp, 0.0)).max())
-    if entropy is not None:
-      mask = traj.response_mask
-      metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
-    metrics["reward/verifier_errors"] = float(sum(g.payload["num_errors"] for g in groups))
-    metrics["reward/verifier_timeouts"] = float(sum(g.payload["num_timeouts"] for g in groups))
-    metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
-    total = sum(timer.totals.values())
-    metrics["time/step"] = total
-    metrics["perf/trained_tokens_per_s"] = float(traj.response_mask.sum()) / max(
-        timer.totals.get("update", 1e-9), 1e-9)
-    metrics["perf/rollout_tokens_per_s"] = float(
-        ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
-    if eval_records and config.eval.every and (step + 1) % config.eval.every == 0:
-      metrics.update(evaluator(state.params, step=step + 1))
-    writer.write_scalars(step + 1, metrics)
-    writer.write_texts(step + 1, {f"sample_{i}": f"{traj.prompts[i // config.rollout.n]!r} -> "
-                                  f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
-                                  for i in range(0, min(traj.num_rows, config.num_sample_texts
-                                                        * config.rollout.n), config.rollout.n)})
-    progress.update(step + 1, metrics)
-    writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
-    result = metrics
-    if consecutive_skips >= config.optim.max_consecutive_skips:
-      ckpt.close()
-      raise NonFiniteUpdatesError(
-          f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
-          f"The last good checkpoint (step {ckpt.latest_step()}) is kept.")
-    preempted = stop.requested(step + 1)
-    if (preempted or (step + 1) % config.checkpoint.save_every == 0
-        or step + 1 == config.num_steps):
-      ckpt.save(step + 1, state.params, state.opt_state,
-                _meta(step + 1, state, iterator, sampler))
-    if preempted:
-      stopped_at = step + 1
-      _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with the "
-                   "same --workdir to resume.", stopped_at, ckpt.directory)
-      break
+  try:
+    for step in range(start_step, config.num_steps):
+      counter.update(step=step, gen=0)
+      timer = Timer()
+      with timer("rollout"):
+        try:
+          groups, ds_stats = sampler.sample(exp.global_batches(iterator))
+        except DynamicSamplingError as err:
+          raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
+        traj = exp.groups_to_trajectories(groups)
+        # Every process must train on the same batch (the filter saw gathered rewards).
+        distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
+                                                 "The dynamic-sampling batch")
+        adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
+      with timer("old_logprob"):
+        if config.rollout.use_sampler_logprobs:
+          old_logp, entropy = traj.sampler_logprobs, None
+        else:
+          old_logp, entropy = distributed.global_to_host(logp_fn(
+              state.params, exp.rows_on_device(traj.input_ids, mesh),
+              exp.rows_on_device(traj.attention_mask, mesh), traj.response_len))
+      with timer("update"):
+        updates = []
+        for _ in range(config.optim.ppo_epochs):
+          for batch in _mini_batches(traj, adv, old_logp, rows_per_update, mesh):
+            state, m = step_fn(state, batch, step)
+            updates.append(m)
+        updates = jax.device_get(updates)
+        metrics = _mean_metrics(updates)
+      for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
+        consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
+      metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
+      metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
+                                         buffer_len=config.reward.overlong_buffer_len))
+      metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
+      if not config.rollout.use_sampler_logprobs:
+        # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
+        # update is silently off-policy (verl logs the same as rollout_probs_diff).
+        m = traj.response_mask
+        metrics["rollout/logprob_diff_max"] = float(
+            np.abs(np.where(m, traj.sampler_logprobs - old_logp, 0.0)).max())
+      if entropy is not None:
+        mask = traj.response_mask
+        metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
+      metrics["reward/verifier_errors"] = float(sum(g.payload["num_errors"] for g in groups))
+      metrics["reward/verifier_timeouts"] = float(sum(g.payload["num_timeouts"] for g in groups))
+      metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
+      total = sum(timer.totals.values())
+      metrics["time/step"] = total
+      metrics["perf/trained_tokens_per_s"] = float(traj.response_mask.sum()) / max(
+          timer.totals.get("update", 1e-9), 1e-9)
+      metrics["perf/rollout_tokens_per_s"] = float(
+          ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
+      if eval_records and config.eval.every and (step + 1) % config.eval.every == 0:
+        metrics.update(evaluator(state.params, step=step + 1))
+      writer.write_scalars(step + 1, metrics)
+      writer.write_texts(step + 1, {f"sample_{i}": f"{traj.prompts[i // config.rollout.n]!r} -> "
+                                    f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
+                                    for i in range(0, min(traj.num_rows, config.num_sample_texts
+                                                          * config.rollout.n), config.rollout.n)})
+      progress.update(step + 1, metrics)
+      writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
+      result = metrics
+      if consecutive_skips >= config.optim.max_consecutive_skips:
+        ckpt.close()
+        raise NonFiniteUpdatesError(
+            f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
+            f"The last good checkpoint (step {ckpt.latest_step()}) is kept.")
+      preempted = stop.requested(step + 1)
+      if (preempted or (step + 1) % config.checkpoint.save_every == 0
+          or step + 1 == config.num_steps):
+        ckpt.save(step + 1, state.params, state.opt_state,
+                  _meta(step + 1, state, iterator, sampler))
+      if preempted:
+        stopped_at = step + 1
+        _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with the "
+                     "same --workdir to resume.", stopped_at, ckpt.directory)
+        break
+  except BaseException:
+    # Any failed exit (sampling stopped, non-finite updates, an exception from the rollout or
+    # the verifier, Ctrl-C) still ends the verifier processes and closes the metric files.
+    stop.restore()
+    progress.close()
+    writer.close()
+    scorer.close()
+    raise
   stop.restore()
   progress.close()
   ckpt.close()

@@ -71,6 +71,12 @@ class _OneMixedGroupPerBatch(RewardScorer):
   """The real scorer, then the first response of each generation batch marked right: exactly
   one group per batch varies, so dynamic sampling keeps one group per generation batch."""
 
+  closed = []  # one entry per close(): a failed run must still end its verifier workers
+
+  def close(self):
+    super().close()
+    type(self).closed.append(True)
+
   def __call__(self, responses, ground_truths, response_lengths, timeout_s=None):
     out = super().__call__(responses, ground_truths, response_lengths, timeout_s)
     acc, score = np.zeros_like(out.acc), np.full_like(out.score, -1.0)
@@ -97,6 +103,7 @@ def _saved_meta(workdir, step):
 
 def test_dataset_exhausted_mid_sampling_checkpoints_the_groups(tmp_path, monkeypatch):
   monkeypatch.setattr(train_lib, "RewardScorer", _OneMixedGroupPerBatch)
+  monkeypatch.setattr(_OneMixedGroupPerBatch, "closed", [])
   workdir = str(tmp_path / "run")
   # One epoch = 2 generation batches = 2 kept groups; a step needs 4.
   with pytest.raises(train_lib.SamplingStoppedError) as info:
@@ -106,6 +113,7 @@ def test_dataset_exhausted_mid_sampling_checkpoints_the_groups(tmp_path, monkeyp
   assert "2/4 groups gathered" in msg and "checkpoint of step 0" in msg, msg
   meta = _saved_meta(workdir, 0)
   assert len(meta["sampler"]["carried"]) == 2 and meta["iterator"]["epoch"] == 1
+  assert _OneMixedGroupPerBatch.closed == [True]  # the scorer's worker pool was shut down
 
 
 def test_max_num_gen_batches_checkpoints_the_groups(tmp_path, monkeypatch):

@@ -77,6 +77,10 @@ def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_
     return np.full_like(adv, np.nan) if calls["n"] in poisoned_steps else adv
 
   monkeypatch.setattr(train_lib.exp, "compute_advantages", poisoned)
+  closed = []
+  real_close = train_lib.RewardScorer.close
+  monkeypatch.setattr(train_lib.RewardScorer, "close",
+                      lambda self: (closed.append(True), real_close(self))[1])
   c = _small_config()
   c.num_steps = 8
   c.optim.max_consecutive_skips = 6  # 2 updates per step: steps 4-6 make 6 in a row
@@ -87,6 +91,7 @@ def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_
     train_lib.train_and_evaluate(c, workdir)
   rows = {r["step"]: r for r in (json.loads(l) for l in open(os.path.join(workdir,
                                                                          "metrics.jsonl")))}
+  assert closed == [True]  # the failed run still shut the verifier's worker pool down
   assert [rows[s]["actor/skipped"] for s in range(1, 7)] == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
   assert [rows[s]["actor/skipped_total"] for s in range(1, 7)] == [0, 2, 2, 4, 6, 8]
   # The step after the poisoned one trains normally: finite, and the parameters move.
