@@ -264,7 +264,8 @@ def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, An
   plan["warnings"] = est.layout_warnings(config, mcfg, target.num_devices)
   if target.analytic:
     plan["method"] = "analytic estimate (no compiler for this target on this host)"
-    plan.update(est.analytic_memory(config, mcfg, target.num_devices))
+    plan.update(est.analytic_memory(config, mcfg, target.num_devices,
+                                    run_setup.train_config(config).master_dtype))
   else:
     plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
     devices = list(target.devices)

@@ -115,7 +115,7 @@ def layout_warnings(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
 
 
 def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
-                    num_devices: int) -> dict[str, Any]:
+                    num_devices: int, master_dtype: str = "float32") -> dict[str, Any]:
   """Per-device bytes in the shape ``plan.make_plan`` reports for compiled targets.
 
   Parameters, optimizer state and KV cache are exact up to indivisible dimensions. Train-step
@@ -126,9 +126,11 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
       config.rollout_mesh or config.mesh, num_devices)
   tp, rtp = train.get("tensor", 1), roll.get("tensor", 1)
   pb, ab = np.dtype(mcfg.param_dtype).itemsize, np.dtype(mcfg.dtype).itemsize
+  # The trained copy is held in the master dtype (fp32 for a bf16 model), as the trainer does.
+  mb = max(pb, np.dtype(master_dtype).itemsize) if master_dtype else pb
   n = mcfg.num_params()
-  params = n * pb // (train.get("fsdp", 1) * tp)
-  opt_state = 2 * params  # Adam's two moments, in the parameters' dtype
+  params = n * mb // (train.get("fsdp", 1) * tp)
+  opt_state = 2 * params  # Adam's two moments, in the master dtype
   p, r = config.data.max_prompt_length, config.rollout.max_response_length
   t = p + r
   ways = math.prod(train.get(a, 1) for a in BATCH_AXES)
@@ -140,7 +142,8 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   else:  # every layer keeps its activations, attention scores included (fp32)
     heads = _split(mcfg.num_attention_heads, tp)
     saved = layers * micro * (t * (6 * d + 3 * _split(f, tp)) * ab + 3 * heads * t * t * 4)
-  grads = n * 4 // (train.get("fsdp", 1) * tp) + params  # fp32 accumulators + cast copy
+  # fp32 gradient accumulators + the forward's copy in the model's dtype
+  grads = n * 4 // (train.get("fsdp", 1) * tp) + n * pb // (train.get("fsdp", 1) * tp)
   batch = _split(rows, ways) * (t * 5 + r * 5 + 5)
   activations = int(saved) + grads
   train_parts = {"params": params, "opt_state": opt_state, "batch": batch,

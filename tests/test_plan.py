@@ -94,9 +94,10 @@ def test_gpu_plan_is_an_analytic_estimate(capsys):
                         "gpu:h100:16x8", "--prompts_per_call", "32"])
   assert "analytic estimate" in capsys.readouterr().out
   assert "memory" not in plan["train"]  # nothing was compiled
-  # 32B bf16 parameters split over fsdp=16 x tensor=8, Adam's two moments likewise.
+  # 32B parameters trained as fp32 master weights split over fsdp=16 x tensor=8, Adam's two
+  # moments likewise; rollout holds the bf16 model split over tensor=8.
   n = plan["model_params"]
-  assert plan["train"]["parts"]["params"] == n * 2 // 128
+  assert plan["train"]["parts"]["params"] == n * 4 // 128
   assert plan["train"]["parts"]["opt_state"] == 2 * plan["train"]["parts"]["params"]
   assert plan["rollout"]["parts"]["params"] == n * 2 // 8
   # The paper's micro-batch of 2 trajectories cannot split over 16 batch shards.
