@@ -85,14 +85,11 @@ class _OneMixedGroupPerBatch(RewardScorer):
 
 
 def _sampling_config(**over):
-  c = _small_config()
-  c.algorithm.update(dynamic_sampling=True, gen_batch_size=2)
-  c.optim.update(train_batch_size=4, mini_batch_size=2)
-  c.data.arithmetic.num_train = 4  # two generation batches per epoch
+  c = _small_config(**{"algorithm.dynamic_sampling": True, "algorithm.gen_batch_size": 2,
+                       "optim.train_batch_size": 4, "optim.mini_batch_size": 2,
+                       # two generation batches per epoch
+                       "data.arithmetic.num_train": 4, **over})
   c.num_steps = 1
-  for k, v in over.items():
-    section, leaf = k.split(".")
-    c[section][leaf] = v
   return c
 
 

@@ -10,7 +10,6 @@ with the process layout given by the JAX_* environment variables.
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import socket
@@ -26,21 +25,12 @@ NUM_STEPS = 2
 
 
 def _config():
-  spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs",
-                                                                       "tiny_cpu.py"))
-  tiny_cpu = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tiny_cpu)
-  c = tiny_cpu.get_config()
+  # Imported here: as a worker this file runs as a script, with ROOT put on sys.path first.
+  from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
+  c = _small_config()
   c.num_steps = NUM_STEPS
-  c.model.overrides = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=64)
-  c.sft.steps = 0
-  c.eval.every = 0
-  c.rollout.n = 4
-  c.rollout.max_response_length = 12
-  c.reward.overlong_buffer_len = 4
-  c.data.arithmetic.update(num_train=64, num_eval=8)
+  # Heads that split over tensor=2.
+  c.model.overrides = dict(c.model.overrides, num_attention_heads=4, num_key_value_heads=2)
   # Dynamic sampling on: 8 prompts per generation batch, 2 per rollout call, 4 groups trained.
   c.algorithm.update(dynamic_sampling=True, gen_batch_size=8, max_num_gen_batches=8)
   c.rollout.prompts_per_call = 4

@@ -35,9 +35,12 @@ def _small_config(**over):
   c.eval.update(every=0, batch_size=8)
   c.data.arithmetic.update(num_train=64, num_eval=8)
   c.checkpoint.update(save_every=1, async_save=False)
-  for k, v in over.items():
-    section, leaf = k.split(".")
-    c[section][leaf] = v
+  for k, v in over.items():  # "section.field" (any depth) -> value
+    *parents, leaf = k.split(".")
+    node = c
+    for name in parents:
+      node = node[name]
+    node[leaf] = v
   return c
 
 

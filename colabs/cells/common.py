@@ -45,3 +45,14 @@ def load_config(overrides, path=CONFIG_FILE):
     config_path.set_value(key, config, value)
   return config
 '''
+
+# Shared by the two notebooks that train: INFO progress from dapo_jax, not the libraries' chatter.
+QUIET_LOGGING = r'''
+import logging
+
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
+for noisy in ("jax._src", "orbax"):
+  logging.getLogger(noisy).setLevel(logging.WARNING)
+for chatty in ("absl", "tensorboardX"):  # Orbax's read-only notices, TensorBoard's "@" renames
+  logging.getLogger(chatty).setLevel(logging.ERROR)
+'''

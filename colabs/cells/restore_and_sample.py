@@ -1,6 +1,6 @@
 """restore_and_sample.ipynb: Orbax and HF restore, one sampled group, avg@k."""
 
-from cells.common import LOAD_CONFIG
+from cells.common import LOAD_CONFIG, QUIET_LOGGING
 
 TITLE = r'''
 # Restore a checkpoint, sample a group, evaluate avg@k
@@ -51,16 +51,9 @@ If `workdir` holds no Orbax checkpoint yet, train a short run there with the sam
 of DAPO steps).
 '''),
     ("code", LOAD_CONFIG),
+    ("code", QUIET_LOGGING),
     ("code", r'''
-import logging
-
 from dapo_jax.train import train_and_evaluate
-
-logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
-for noisy in ("jax._src", "orbax"):
-  logging.getLogger(noisy).setLevel(logging.WARNING)
-for chatty in ("absl", "tensorboardX"):  # Orbax's read-only notices, TensorBoard's "@" renames
-  logging.getLogger(chatty).setLevel(logging.ERROR)
 
 ckpt_dir = os.path.join(workdir, "checkpoints")
 

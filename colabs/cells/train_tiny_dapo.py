@@ -1,6 +1,6 @@
 """train_tiny_dapo.ipynb: configs/tiny_cpu.py through train_and_evaluate, then its curves."""
 
-from cells.common import LOAD_CONFIG
+from cells.common import LOAD_CONFIG, QUIET_LOGGING
 
 TITLE = r'''
 # Train a tiny policy with DAPO on a CPU
@@ -79,16 +79,9 @@ batches, rewards, GRPO advantages, old log-probs, compiled mini-batch updates, h
 evaluation every `eval.every` steps and Orbax checkpoints. Like `dapo-train`, a workdir that
 already holds a checkpoint is resumed (delete it to start over).
 '''),
+    ("code", QUIET_LOGGING),
     ("code", r'''
-import logging
-
 from dapo_jax.train import train_and_evaluate
-
-logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
-for noisy in ("jax._src", "orbax"):
-  logging.getLogger(noisy).setLevel(logging.WARNING)
-for chatty in ("absl", "tensorboardX"):  # Orbax's read-only notices, TensorBoard's "@" renames
-  logging.getLogger(chatty).setLevel(logging.ERROR)
 
 result = train_and_evaluate(config, workdir)
 print(sorted(os.listdir(workdir)))
