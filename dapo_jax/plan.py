@@ -282,9 +282,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, An
         head_dim=mcfg.dim_per_head)
   # The training state stays on the devices while rollout runs (with its resharded copy).
   state = plan["train"]["state_bytes"]
+  # The move's source is the training shard in the model's dtype: the trained params themselves
+  # when they are in that dtype, else a cast copy made next to them (fp32 master weights).
+  src = plan["rollout"]["reshard"]["src"]
+  held = src if plan["train"]["parts"]["params"] == src else 0
   plan["phase_peaks"] = {"train": plan["train"]["peak"],
-                         "reshard": state - plan["rollout"]["reshard"]["src"]
-                         + plan["rollout"]["reshard"]["peak"],
+                         "reshard": state - held + plan["rollout"]["reshard"]["peak"],
                          "rollout": state + plan["rollout"]["peak"]}
   plan["peak_bytes"] = max(plan["phase_peaks"].values())
   plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes

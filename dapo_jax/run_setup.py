@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -16,7 +17,7 @@ from dapo_jax.checkpoints.hf import load_pretrained
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
 from dapo_jax.data.records import MathRecord
-from dapo_jax.models import Qwen2Config, create_model, get_preset
+from dapo_jax.models import Qwen2Config, cast_params, create_model, get_preset
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.tokenizer import load_tokenizer
 from dapo_jax.train_step import TrainConfig
@@ -36,13 +37,36 @@ def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | Non
                        ) -> Mesh | None:
   """The rollout mesh: ``config.rollout_mesh`` over the same devices, else the training mesh.
 
-  Parameters move between the two layouts once per rollout call (``sharding.reshard_cost``
-  gives the peak memory of that move).
+  Parameters move between the two layouts once per training step (``RolloutWeights``;
+  ``sharding.reshard_cost`` gives the peak memory of that move).
   """
   axes = config.get("rollout_mesh") or []
   if train_mesh is None or not axes:
     return train_mesh
   return shd.make_mesh([tuple(a) for a in axes])
+
+
+class RolloutWeights:
+  """The policy as the rollout reads it: the trained params (fp32 master weights of a bf16
+  model) cast to the model's dtype, then moved to the rollout layout.
+
+  The cast happens first, on each device's training shard, so the move carries the model's
+  bytes, never the fp32 copy: this is the reshard ``dapo-plan`` compiles and prices. The trainer
+  makes one copy per step, shared by every rollout call (``rollout.prompts_per_call``) and
+  evaluation of that step, and drops it before the update.
+  """
+
+  def __init__(self, dtype: Any, mesh: Mesh | None):
+    self.dtype, self.mesh = dtype, mesh
+    self._fn = None
+
+  def __call__(self, params):
+    if self._fn is None:
+      cast = functools.partial(cast_params, dtype=self.dtype)
+      out = (None if self.mesh is None else
+             shd.state_shardings(params, self.mesh, shd.SAMPLE_RULES))
+      self._fn = jax.jit(cast, out_shardings=out)
+    return self._fn(params)
 
 
 def build_tokenizer(config: ml_collections.ConfigDict):

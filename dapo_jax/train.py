@@ -132,6 +132,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   rollout_mesh = run_setup.build_rollout_mesh(config, mesh)
   rollout = exp.global_rollout(make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer),
                                rollout_mesh)
+  # Once per step: the trained params in the model's dtype and the rollout layout.
+  to_rollout = run_setup.RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
+  rollout_weights = {"params": None}
   tcfg = run_setup.train_config(config)
   graphdef, state = init_train_state(model, tcfg, mesh)
   state = _committed(state, mesh)
@@ -162,7 +165,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                         num_workers=r.num_workers)
   params = run_setup.sampling_params(config, tokenizer)
   generate_fn = exp.make_generate_fn(
-      lambda ids, mask, key, n: rollout(state.params, ids, mask, key, params, n), tokenizer,
+      lambda ids, mask, key, n: rollout(rollout_weights["params"], ids, mask, key, params, n),
+      tokenizer,
       scorer, num_samples=config.rollout.n, max_prompt_length=config.data.max_prompt_length,
       eos_ids=params.eos_ids, key_fn=key_fn,
       prompts_per_call=config.rollout.prompts_per_call)
@@ -196,7 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       state = _committed(
           init_train_state(nnx.merge(graphdef, state.params, state.rest), tcfg, mesh)[1], mesh)
     if eval_records and config.eval.every:
-      before.update(evaluator(state.params))
+      before.update(evaluator(to_rollout(state.params)))
     if before:
       writer.write_scalars(0, before)
       result.update(before)
@@ -214,10 +218,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       counter.update(step=step, gen=0)
       timer = Timer()
       with timer("rollout"):
+        rollout_weights["params"] = to_rollout(state.params)
         try:
           groups, ds_stats = sampler.sample(exp.global_batches(iterator))
         except DynamicSamplingError as err:
           raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
+        finally:
+          rollout_weights["params"] = None  # freed before the update (the plan's train phase)
         traj = exp.groups_to_trajectories(groups)
         # Every process must train on the same batch (the filter saw gathered rewards).
         distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
@@ -263,7 +270,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       metrics["perf/rollout_tokens_per_s"] = float(
           ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
       if eval_records and config.eval.every and (step + 1) % config.eval.every == 0:
-        metrics.update(evaluator(state.params, step=step + 1))
+        metrics.update(evaluator(to_rollout(state.params), step=step + 1))
       writer.write_scalars(step + 1, metrics)
       writer.write_texts(step + 1, {f"sample_{i}": f"{traj.prompts[i // config.rollout.n]!r} -> "
                                     f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
@@ -303,7 +310,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     scorer.close()
     return {**result, "stopped_at_step": float(stopped_at)}
   if eval_records and config.eval.every and not any(k.startswith("eval/") for k in result):
-    final = evaluator(state.params, step=config.num_steps)
+    final = evaluator(to_rollout(state.params), step=config.num_steps)
     writer.write_scalars(config.num_steps, final)
     result.update(final)
   writer.close()

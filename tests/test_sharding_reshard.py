@@ -1,10 +1,14 @@
 """Training layout <-> rollout layout: an exact round trip, and the memory the move needs."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import create_model, get_preset
 
@@ -58,3 +62,26 @@ def test_reshard_cost_matches_compiled_buffers(train_state):
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   assert total / 8 <= cost.src < cost.dst <= total
   assert cost.peak == cost.src + cost.dst + cost.temp
+
+
+def test_rollout_weights_cast_before_they_move(train_state):
+  """fp32 master weights in the training layout -> bf16 in the rollout layout; the collectives
+  of the move carry bf16, so the reshard costs what `dapo-plan` prices (the model's bytes)."""
+  mesh, state = train_state
+  master = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(np.float32), t),
+                   out_shardings=shd.state_shardings(state, mesh, shd.TRAIN_RULES))(state)
+  rollout_mesh = shd.make_mesh(ROLLOUT_MESHES["own_rollout_mesh"])
+  to_rollout = run_setup.RolloutWeights(jnp.bfloat16, rollout_mesh)
+  out = to_rollout(master)
+  expected_sh = shd.state_shardings(state, rollout_mesh, shd.SAMPLE_RULES)
+  for x, m, s in zip(jax.tree.leaves(out), jax.tree.leaves(master), jax.tree.leaves(expected_sh)):
+    assert x.dtype == jnp.bfloat16 and x.sharding.is_equivalent_to(s, x.ndim)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(m).astype(jnp.bfloat16))
+  # Every collective of the move reads a rounded (convert) value, never a parameter as is: the
+  # cast runs on the training shard before anything moves. (XLA's CPU backend then carries the
+  # rounded values in f32, having no bf16 collectives; TPUs and GPUs move them as bf16.)
+  hlo = to_rollout._fn.lower(master).compile().as_text()  # pylint: disable=protected-access
+  operands = re.findall(r"= \S+ (?:all-gather|all-to-all|collective-permute)(?:-start)?\((%[\w.]+)",
+                        hlo)
+  assert operands, "the layouts differ, so the move must have collectives"
+  assert all("convert" in o for o in operands), operands

@@ -118,3 +118,33 @@ def test_carried_surplus_groups_round_trip_through_json():
   sampler.load_state_dict(exp.sampler_state_from_json(js))
   traj = exp.groups_to_trajectories([Group(**back)])
   assert traj.num_rows == 2
+
+
+def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
+  """A bf16 model trains fp32 master weights; every rollout call of a step (two per generation
+  batch here) reads the same bf16 copy in the rollout layout, made once per step."""
+  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  seen, copies = [], []
+  real_make, real_call = train_lib.make_rollout, run_setup.RolloutWeights.__call__
+
+  def make_rollout(*args, **kwargs):
+    rollout = real_make(*args, **kwargs)
+    def spy(params, *rest):
+      seen.append(params)
+      return rollout(params, *rest)
+    return spy
+
+  def to_rollout(self, params):
+    copies.append(real_call(self, params))
+    return copies[-1]
+
+  monkeypatch.setattr(train_lib, "make_rollout", make_rollout)
+  monkeypatch.setattr(run_setup.RolloutWeights, "__call__", to_rollout)
+  c = _small_config(**{"model.param_dtype": "bfloat16", "model.dtype": "bfloat16",
+                       "rollout.prompts_per_call": 2})  # 4 prompts per generation batch
+  c.num_steps = 2
+  train_and_evaluate(c, str(tmp_path / "run"))
+  assert len(copies) == 2 and len(seen) == 4  # one copy per step, two rollout calls per step
+  assert [id(p) for p in seen] == [id(copies[0])] * 2 + [id(copies[1])] * 2
+  assert {x.dtype for p in seen for x in jax.tree.leaves(p)} == {np.dtype("bfloat16")}
