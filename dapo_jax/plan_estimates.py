@@ -21,12 +21,15 @@ GPU_HBM_GB = {"a100": 80, "h100": 80, "h200": 141, "b200": 180}
 # Share of GPU memory XLA's allocator may take (launch/slurm_gpu.sbatch sets 0.92).
 GPU_MEM_FRACTION = 0.92
 # Train-step temporaries per token, per layer and per hidden unit of one trajectory with
-# rematerialisation on, fitted to libtpu's compiles of the Qwen2.5-32B step on v5p:4x4x4 (one
-# trajectory per chip: 48.9 / 87.9 / 102.3 GiB at 10240 / 18432 / 22528 tokens; within 3%).
-REMAT_BYTES_PER_TOKEN_LAYER_UNIT = 15.0
-# Rollout temporaries besides the KV cache, as a share of it (the same v5p compiles: 12.6 GiB
-# over a 66 GiB cache at 48 prompts x 22528 tokens, 13.6 over 60 at 96 x 10240).
-ROLLOUT_TEMP_OVER_KV = 0.23
+# rematerialisation on (gradient buffers excluded), fitted to libtpu's compiles of the
+# Qwen2.5-32B step with Pallas splash attention and fp32 master weights, one trajectory per chip
+# at 22528 tokens: 11.4 on v5p:4x4x4, 12.0 on v5p:4x4x8 (the larger is used). A flash kernel
+# keeps no [T, S] scores, so the rate is per token; cuDNN's flash attention on GPUs is assumed
+# to behave alike until a GPU compile confirms it.
+REMAT_BYTES_PER_TOKEN_LAYER_UNIT = 12.0
+# Rollout temporaries besides the KV cache, as a share of it (the same compiles: 11.3 GiB over a
+# 66 GiB cache at 96 sequences x 22528 slots per chip).
+ROLLOUT_TEMP_OVER_KV = 0.18
 BATCH_AXES = ("data", "fsdp")
 
 
@@ -149,6 +152,7 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   train_parts = {"params": params, "opt_state": opt_state, "batch": batch,
                  "activations_and_temp": activations}
   rparams = n * pb // rtp
+  src = n * pb // (train.get("fsdp", 1) * tp)
   prompts = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
   kv = kv_cache_bytes_per_device(mcfg, roll, prompts * config.rollout.n, t)
   rrows = _split(prompts * config.rollout.n, math.prod(roll.get(a, 1) for a in BATCH_AXES))
@@ -162,5 +166,6 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
                             "outputs": outputs},
                   "peak": rparams + kv + other + outputs, "prompts_per_call": prompts,
                   # The compiled TPU reshard stages one destination-sized buffer.
-                  "reshard": {"src": params, "dst": rparams, "temp": rparams,
-                              "peak": params + 2 * rparams}}}
+                  # Its source is the training shard cast to the model's dtype.
+                  "reshard": {"src": src, "dst": rparams, "temp": rparams,
+                              "peak": src + 2 * rparams}}}
