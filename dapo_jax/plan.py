@@ -357,6 +357,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--micro_batch_size", type=int, help="optim.micro_batch_size (trajectories)")
   p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
   p.add_argument("--prompts_per_call", type=int, help="rollout.prompts_per_call")
+  p.add_argument("--layers", type=int,
+                 help="compile only this many decoder layers (quick what-ifs: two runs give the "
+                      "memory per layer); not a plan for the full model")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="any other config leaf, e.g. --set rollout.max_response_length=4096")
   p.add_argument("--json", help="also write the plan as JSON here")
@@ -386,6 +389,8 @@ def configure(args: argparse.Namespace) -> ml_collections.ConfigDict:
     config.model.remat = args.remat
   if args.prompts_per_call is not None:
     config.rollout.prompts_per_call = args.prompts_per_call
+  if args.layers:
+    config.model.overrides.num_hidden_layers = args.layers
   for item in args.set:
     field, _, value = item.partition("=")
     *parents, leaf = field.split(".")

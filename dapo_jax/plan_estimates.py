@@ -21,12 +21,21 @@ GPU_HBM_GB = {"a100": 80, "h100": 80, "h200": 141, "b200": 180}
 # Share of GPU memory XLA's allocator may take (launch/slurm_gpu.sbatch sets 0.92).
 GPU_MEM_FRACTION = 0.92
 # Train-step temporaries per token, per layer and per hidden unit of one trajectory with
-# rematerialisation on (gradient buffers excluded), fitted to libtpu's compiles of the
-# Qwen2.5-32B step with Pallas splash attention and fp32 master weights, one trajectory per chip
-# at 22528 tokens: 11.4 on v5p:4x4x4, 12.0 on v5p:4x4x8 (the larger is used). A flash kernel
+# rematerialisation on (gradient buffers excluded), by fsdp degree: fitted to libtpu's compiles
+# of the Qwen2.5-32B step (Pallas splash attention, fp32 master weights, tensor 8, one
+# trajectory per chip, 22528 tokens). fsdp 4: 4.0 on v5p:2x4x4 and 3.7 on v5p:4x4x4 with data 2;
+# fsdp 8: 11.4 on v5p:4x4x4; fsdp 16: 12.0 on v5p:4x4x8. From fsdp 8 up, XLA's partitioner keeps
+# about 1.3 GB per layer where fsdp 4 keeps 0.2-0.3 (2- and 4-layer compiles). A flash kernel
 # keeps no [T, S] scores, so the rate is per token; cuDNN's flash attention on GPUs is assumed
 # to behave alike until a GPU compile confirms it.
-REMAT_BYTES_PER_TOKEN_LAYER_UNIT = 12.0
+REMAT_BYTES_BY_FSDP = {4: 4.0, 8: 11.4, 16: 12.0}
+
+
+def remat_bytes_per_token_layer_unit(fsdp: int) -> float:
+  """The fitted rate of the nearest compiled fsdp degree (ties: the larger rate)."""
+  near = lambda k: (abs(math.log2(k) - math.log2(max(fsdp, 1))), -REMAT_BYTES_BY_FSDP[k])
+  return REMAT_BYTES_BY_FSDP[min(REMAT_BYTES_BY_FSDP, key=near)]
+
 # Rollout temporaries besides the KV cache, as a share of it (the same compiles: 11.3 GiB over a
 # 66 GiB cache at 96 sequences x 22528 slots per chip).
 ROLLOUT_TEMP_OVER_KV = 0.18
@@ -123,7 +132,7 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
 
   Parameters, optimizer state and KV cache are exact up to indivisible dimensions. Train-step
   temporaries with rematerialisation use the per-token rate fitted to TPU compiles
-  (``REMAT_BYTES_PER_TOKEN_LAYER_UNIT``); without it, every layer's activations.
+  (``REMAT_BYTES_BY_FSDP``); without it, every layer's activations.
   """
   train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
       config.rollout_mesh or config.mesh, num_devices)
@@ -141,7 +150,7 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   micro = _split(min(config.optim.micro_batch_size, rows), ways)
   d, f, layers = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
   if config.model.remat != "none":
-    saved = micro * t * layers * d * REMAT_BYTES_PER_TOKEN_LAYER_UNIT
+    saved = micro * t * layers * d * remat_bytes_per_token_layer_unit(train.get("fsdp", 1))
   else:  # every layer keeps its activations, attention scores included (fp32)
     heads = _split(mcfg.num_attention_heads, tp)
     saved = layers * micro * (t * (6 * d + 3 * _split(f, tp)) * ab + 3 * heads * t * t * 4)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import plan as plan_lib
+from dapo_jax import plan_estimates as plan_est
 from dapo_jax import run_setup
 from dapo_jax.models import create_model
 from dapo_jax.train_step import TrainBatch, TrainStep, init_train_state
@@ -28,8 +29,8 @@ def _scalars_bytes(n=3):
 
 
 def test_cpu_plan_matches_the_trainers_compiled_step():
-  config = plan_lib.configure(_tiny_args())
-  config.model.overrides.num_hidden_layers = 2
+  config = plan_lib.configure(_tiny_args("--layers", "2"))
+  assert plan_lib.plan_model_config(config).num_hidden_layers == 2
   plan = plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"))
   train = plan["train"]
   # The plan's memory is XLA's own analysis of the program it compiled ...
@@ -94,10 +95,11 @@ def test_gpu_plan_is_an_analytic_estimate(capsys):
                         "gpu:h100:16x8", "--prompts_per_call", "32"])
   assert "analytic estimate" in capsys.readouterr().out
   assert "memory" not in plan["train"]  # nothing was compiled
-  # 32B parameters trained as fp32 master weights split over fsdp=16 x tensor=8, Adam's two
-  # moments likewise; rollout holds the bf16 model split over tensor=8.
+  # 32B parameters trained as fp32 master weights split over fsdp=4 x tensor=8 (the config's
+  # mesh; data=4 takes the rest), Adam's two moments likewise; rollout holds the bf16 model
+  # split over tensor=8.
   n = plan["model_params"]
-  assert plan["train"]["parts"]["params"] == n * 4 // 128
+  assert plan["train"]["parts"]["params"] == n * 4 // 32
   assert plan["train"]["parts"]["opt_state"] == 2 * plan["train"]["parts"]["params"]
   assert plan["rollout"]["parts"]["params"] == n * 2 // 8
   # The paper's micro-batch of 2 trajectories cannot split over 16 batch shards.
@@ -138,3 +140,23 @@ def test_tpu_plan_compiles_for_a_topology_on_this_host():
   assert logical <= mem["argument"] <= 1.01 * logical
   assert plan["train"]["peak"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
   assert plan["rollout"]["parts"]["kv_cache_estimate"] <= plan["rollout"]["memory"]["temp"]
+
+
+# What libtpu compiled for the Qwen2.5-32B paper config (one trajectory per chip, 22528 tokens;
+# README table): (topology, mesh, micro-batch, activations_and_temp GiB per chip).
+_COMPILED_32B = [("v5p:2x4x4", "data=1,fsdp=-1,tensor=8", 4, 32.92),
+                 ("v5p:4x4x4", "data=2,fsdp=-1,tensor=8", 8, 30.95),
+                 ("v5p:4x4x4", "data=1,fsdp=-1,tensor=8", 8, 81.53),
+                 ("v5p:4x4x8", "data=1,fsdp=-1,tensor=8", 16, 84.13)]
+
+
+@pytest.mark.parametrize("topology,mesh,micro,compiled_gib", _COMPILED_32B)
+def test_analytic_rates_reproduce_the_compiles_they_were_fitted_to(topology, mesh, micro,
+                                                                   compiled_gib):
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
+      "--mesh", mesh, "--micro_batch_size", str(micro)]))
+  chips = int(np.prod([int(x) for x in topology.split(":")[1].split("x")]))
+  mem = plan_est.analytic_memory(config, plan_lib.plan_model_config(config), chips)
+  estimate = mem["train"]["parts"]["activations_and_temp"] / 2**30
+  assert abs(estimate - compiled_gib) <= 0.1 * compiled_gib, (estimate, compiled_gib)
