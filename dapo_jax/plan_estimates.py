@@ -25,7 +25,7 @@ GPU_MEM_FRACTION = 0.92
 # of the Qwen2.5-32B step (Pallas splash attention, fp32 master weights, tensor 8, one
 # trajectory per chip, 22528 tokens). fsdp 4: 4.0 on v5p:2x4x4 and 3.7 on v5p:4x4x4 with data 2;
 # fsdp 8: 11.4 on v5p:4x4x4; fsdp 16: 12.0 on v5p:4x4x8. From fsdp 8 up, XLA's partitioner keeps
-# about 1.3 GB per layer where fsdp 4 keeps 0.2-0.3 (2- and 4-layer compiles). A flash kernel
+# about 1.27 GB per layer where fsdp 4 keeps 0.17 (`dapo-plan --layers 2` vs 4). A flash kernel
 # keeps no [T, S] scores, so the rate is per token; cuDNN's flash attention on GPUs is assumed
 # to behave alike until a GPU compile confirms it.
 REMAT_BYTES_BY_FSDP = {4: 4.0, 8: 11.4, 16: 12.0}
