@@ -17,7 +17,7 @@ from dapo_jax.checkpoints.hf import load_pretrained
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
 from dapo_jax.data.records import MathRecord
-from dapo_jax.models import Qwen2Config, cast_params, create_model, get_preset
+from dapo_jax.models import Qwen2Config, attention, cast_params, create_model, get_preset
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.tokenizer import load_tokenizer
 from dapo_jax.train_step import TrainConfig
@@ -163,6 +163,27 @@ def sampling_params(config: ml_collections.ConfigDict, tokenizer, *, eval_mode: 
       top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
       max_new_tokens=r.max_response_length, eos_ids=tuple(tokenizer.eos_ids),
       pad_id=tokenizer.pad_id)
+
+
+def attention_fallback(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
+                       platform: str) -> str | None:
+  """Why ``attention_impl="auto"`` runs the XLA einsums over the training rows on an
+  accelerator (their [B, heads, T, S] scores cost memory and time), or None when it does not."""
+  t = config.data.max_prompt_length + config.rollout.max_response_length
+  if mcfg.attention_impl != "auto" or attention.resolve_impl(
+      "auto", platform=platform, dtype=mcfg.jnp_dtype, seq_len=t,
+      head_dim=mcfg.dim_per_head) != "xla":
+    return None
+  fix = ("set data.max_prompt_length + rollout.max_response_length to a multiple of 128 (e.g. "
+         f"{-(-t // 128) * 128})")
+  if platform == "tpu":
+    return (f"Training rows of {t} tokens run XLA attention on TPU, not the splash kernel: "
+            f"{fix}.")
+  if platform in ("gpu", "cuda"):
+    return (f"Training rows run XLA attention on GPU, not cuDNN flash attention, which needs "
+            f"bf16/fp16 compute (model.dtype={mcfg.dtype!r}), a head dim that is a multiple of 8 "
+            f"up to 128 (here {mcfg.dim_per_head}) and an even length (here {t}).")
+  return None
 
 
 def describe(config: ml_collections.ConfigDict, model: Any) -> str:

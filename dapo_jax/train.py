@@ -121,6 +121,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tokenizer = run_setup.build_tokenizer(config)
   model = run_setup.build_model(config, tokenizer, mesh)
   _log.info(run_setup.describe(config, model))
+  fallback = run_setup.attention_fallback(config, model.config, jax.default_backend())
+  if fallback:
+    _log.warning(fallback)
   train_records = run_setup.load_dataset(config.data.train, config, "train")
   eval_records = (run_setup.load_dataset(config.data.eval, config, "eval")
                   if config.data.eval else [])

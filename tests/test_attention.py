@@ -197,3 +197,24 @@ def test_sampler_and_engine_prefill_through_the_kernel_decode_through_the_cache(
                                        true_length=50), engine.init_decode_state(), slot=0)
   engine.generate(engine.load_params(), state)
   assert calls == [T]
+
+
+@pytest.mark.parametrize("platform,dtype,prompt,response,expect", [
+    ("tpu", "bfloat16", 100, 900, "multiple of 128 (e.g. 1024)"),
+    ("tpu", "bfloat16", 128, 896, None),
+    ("gpu", "float32", 128, 896, "model.dtype='float32'"),
+    ("gpu", "bfloat16", 128, 896, None),
+    ("cpu", "bfloat16", 100, 900, None),
+])
+def test_the_run_says_when_auto_attention_falls_back_to_xla(platform, dtype, prompt, response,
+                                                            expect):
+  from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  c = config_lib.default_config()
+  c.data.max_prompt_length, c.rollout.max_response_length = prompt, response
+  mcfg = get_preset("qwen2.5-0.5b", dtype=dtype, attention_impl="auto")
+  note = run_setup.attention_fallback(c, mcfg, platform)
+  if expect is None:
+    assert note is None
+  else:
+    assert expect in note, note
