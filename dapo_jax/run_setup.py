@@ -8,6 +8,7 @@ import os
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh
 
@@ -61,6 +62,9 @@ class RolloutWeights:
     self._fn = None
 
   def __call__(self, params):
+    floats = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if self.mesh is None and all(x.dtype == self.dtype for x in floats):
+      return params  # one device, already the model's dtype: nothing to cast or move
     if self._fn is None:
       cast = functools.partial(cast_params, dtype=self.dtype)
       out = (None if self.mesh is None else
