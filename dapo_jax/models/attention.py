@@ -6,8 +6,8 @@
 slot t): "xla" (two einsums, any backend), "cudnn" (cuDNN flash attention through
 ``jax.nn.dot_product_attention``; NVIDIA GPUs, bf16/fp16), "splash" (the Pallas TPU splash kernel,
 ``jax.experimental.pallas.ops.tpu.splash_attention``) or "auto" (cudnn on GPU, splash on TPU where
-the shapes allow, else xla). A step over a KV cache (T < S) is bandwidth-bound and always takes the
-einsum path (``decode_attention`` for one token), whatever ``impl`` says.
+the shapes allow, else xla). A one-token step over the KV cache is bandwidth-bound and always takes
+the einsum path (``decode_attention``), whatever ``impl`` says.
 
 Fully masked query rows (left-padding queries) give finite values that are never used.
 """
@@ -112,24 +112,23 @@ def xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
   return out.reshape(b, t, h, e)
 
 
-def decode_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
-  """Attention of a few new tokens over a [B, S, K, E] cache, read once in place.
+def decode_attention(q_NxHxE: jax.Array, k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array,
+                     valid_NxS: jax.Array) -> jax.Array:
+  """One query token per row over a ``KVCache`` layer (see models/kv_cache.py).
 
-  Products and sums instead of einsums: a dot with batch dims (b, k) split around S made XLA
-  transpose the whole cache of every layer on every step (one full copy per token); these
-  reductions read each cache entry once where it lies. Scores and softmax in fp32.
+  Both products are batched matmuls over (N, K) that read the cache where it lies (no
+  transpose); scores and softmax in fp32, as in `xla_attention` (head = kv_head * G + g).
   """
-  b, t, h, e = q_BxTxHxE.shape
-  kh = k_BxSxKxE.shape[2]
-  f32 = jnp.float32
-  q_BxTx1xKxGxE = q_BxTxHxE.reshape(b, t, 1, kh, h // kh, e).astype(f32)
-  k_Bx1xSxKx1xE = k_BxSxKxE[:, None, :, :, None, :].astype(f32)
-  s_BxTxSxKxG = jnp.sum(q_BxTx1xKxGxE * k_Bx1xSxKx1xE, axis=-1) * (e ** -0.5)
-  s_BxTxSxKxG = jnp.where(mask_BxTxS[..., None, None], s_BxTxSxKxG, jnp.finfo(f32).min)
-  p_BxTxSxKxG = jax.nn.softmax(s_BxTxSxKxG, axis=2)
-  v_Bx1xSxKx1xE = v_BxSxKxE[:, None, :, :, None, :].astype(f32)
-  out_BxTxKxGxE = jnp.sum(p_BxTxSxKxG[..., None] * v_Bx1xSxKx1xE, axis=2)
-  return out_BxTxKxGxE.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
+  n, h, e = q_NxHxE.shape
+  kh = k_NxKxExS.shape[1]
+  dtype = q_NxHxE.dtype
+  q_NxKxGxE = q_NxHxE.reshape(n, kh, h // kh, e)
+  s_NxKxGxS = jnp.einsum("nkge,nkes->nkgs", q_NxKxGxE, k_NxKxExS.astype(dtype),
+                         preferred_element_type=jnp.float32) * (e ** -0.5)
+  s_NxKxGxS = jnp.where(valid_NxS[:, None, None], s_NxKxGxS, jnp.finfo(jnp.float32).min)
+  p_NxKxGxS = jax.nn.softmax(s_NxKxGxS, axis=-1).astype(dtype)
+  o_NxKxGxE = jnp.einsum("nkgs,nkse->nkge", p_NxKxGxS, v_NxKxSxE.astype(dtype))
+  return o_NxKxGxE.reshape(n, h, e)
 
 
 def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):
@@ -216,9 +215,7 @@ def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, key_valid_BxS, *,
 def dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask, *, impl: str = "xla"):
   """Attention of q over k/v with ``impl`` (see the module docstring); output like q."""
   t, e = q_BxTxHxE.shape[1], q_BxTxHxE.shape[3]
-  if not mask.causal:  # a step over a KV cache: bandwidth-bound, no fused kernel applies
-    if t == 1:
-      return decode_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
+  if not mask.causal:  # no structure a fused kernel takes: the dense mask
     return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
   impl = resolve_impl(impl, dtype=q_BxTxHxE.dtype, seq_len=t, head_dim=e)
   if impl == "xla":

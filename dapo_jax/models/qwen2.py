@@ -1,7 +1,13 @@
-"""Qwen2 / Qwen2.5 decoder in Flax NNX, with a full-sequence forward and a KV-cache path.
+"""Qwen2 / Qwen2.5 decoder in Flax NNX: a full-sequence forward and ONE cached decode step.
+
+    h_BxPxD, cache = model.prefill(ids_BxP, positions_BxP, mask_BxP)   # writes a KVCache
+    logits_NxV, cache = model.decode_step(tokens_N, positions_N, cache) # one token per row
+
+Every sampler (rollout/sampler.py, continuous.py, jetstream_engine.py) decodes through these two;
+nothing outside models/ reaches into the layers.
 
 Shapes in names: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
-G = H // K query heads per kv head, E head dim, F MLP width, V vocab.
+G = H // K query heads per kv head, E head dim, F MLP width, V vocab, N decode rows.
 Every parameter carries ``logical_axes`` metadata (see ``dapo_jax.sharding``).
 """
 
@@ -9,35 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from dapo_jax.models import attention
+from dapo_jax.models import attention, kv_cache
 from dapo_jax.models.config import Qwen2Config
+from dapo_jax.models.kv_cache import KVCache
 from dapo_jax.sharding import constrain
 
 _INIT_STD = 0.02
-
-
-@flax.struct.dataclass
-class KVCache:
-  """Per-layer keys and values plus slot bookkeeping.
-
-  ``index[b]`` is the next slot sequence b writes; ``valid[b, s]`` marks slots holding real
-  tokens (left padding of prompts stays invalid), so sequences of a batch may sit at different
-  lengths (as JetStream's decode slots do).
-  """
-  k: tuple[jax.Array, ...]  # L x [B, S, K, E]
-  v: tuple[jax.Array, ...]  # L x [B, S, K, E]
-  valid: jax.Array  # [B, S] bool
-  index: jax.Array  # [B] int32
-
-  @property
-  def max_length(self) -> int:
-    return self.valid.shape[1]
 
 
 class RMSNorm(nnx.Module):
@@ -88,12 +76,6 @@ def apply_rope(x_BxTxHxE: jax.Array, positions_BxT: jax.Array, theta: float) -> 
   return out.astype(x_BxTxHxE.dtype)
 
 
-def _write_slots(cache_BxSxKxE: jax.Array, new_BxTxKxE: jax.Array, index_B: jax.Array):
-  """Writes each sequence's new keys/values at its own slot offset."""
-  upd = lambda c, n, i: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (i, 0, 0))
-  return jax.vmap(upd)(cache_BxSxKxE, new_BxTxKxE, index_B)
-
-
 class Attention(nnx.Module):
   """Grouped-query attention with q/k/v bias and no output bias."""
 
@@ -112,23 +94,29 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.impl = cfg.attention_impl
 
-  def __call__(self, x_BxTxD, positions_BxT, mask: attention.Mask, layer_cache=None,
-               index_B=None):
+  def __call__(self, x_BxTxD, positions_BxT, mask: attention.Mask, with_kv: bool = False):
+    """Output [B, T, D], and this pass's keys and values [B, T, K, E] when `with_kv`."""
     dtype = x_BxTxD.dtype
     q = apply_rope(self.q_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
     k = apply_rope(self.k_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
     v = self.v_proj(x_BxTxD, dtype)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    if layer_cache is not None:
-      k = _write_slots(layer_cache[0], k, index_B)
-      v = _write_slots(layer_cache[1], v, index_B)
-      new_cache = (k, v)
-    else:
-      new_cache = None
-    out_BxTxHxE = attention.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask,
-                                                  impl=self.impl)
+    out_BxTxHxE = attention.dot_product_attention(q, k, v, mask, impl=self.impl)
     out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
-    return self.o_proj(out_BxTxHxE, dtype), new_cache
+    return self.o_proj(out_BxTxHxE, dtype), ((k, v) if with_kv else None)
+
+  def decode(self, x_Nx1xD, positions_Nx1, k_NxKxExS, v_NxKxSxE, valid_NxS, slot):
+    """One token per row: writes its key and value at `slot`, attends over the cache."""
+    dtype = x_Nx1xD.dtype
+    n = x_Nx1xD.shape[0]
+    q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
+    q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
+    kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
+    vn_Nx1xKxE = self.v_proj(x_Nx1xD, dtype)
+    k_NxKxExS, v_NxKxSxE = kv_cache.write_step(k_NxKxExS, v_NxKxSxE, kn_Nx1xKxE[:, 0],
+                                               vn_Nx1xKxE[:, 0], slot)
+    o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_NxKxExS, v_NxKxSxE, valid_NxS)
+    return self.o_proj(o_NxHxE[:, None], dtype), (k_NxKxExS, v_NxKxSxE)
 
 
 class MLP(nnx.Module):
@@ -159,16 +147,22 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, mask, layer_cache=None, index=None):
-    attn_out, new_cache = self.self_attn(self.input_layernorm(x), positions, mask,
-                                         layer_cache, index)
+  def __call__(self, x, positions, mask, with_kv: bool = False):
+    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, with_kv)
     x = x + attn_out
     x = x + self.mlp(self.post_attention_layernorm(x))
-    return constrain(x, ("batch", "length", "act_embed")), new_cache
+    return constrain(x, ("batch", "length", "act_embed")), kv
+
+  def decode(self, x_Nx1xD, positions_Nx1, k_NxKxExS, v_NxKxSxE, valid_NxS, slot):
+    attn_out, kv = self.self_attn.decode(self.input_layernorm(x_Nx1xD), positions_Nx1,
+                                         k_NxKxExS, v_NxKxSxE, valid_NxS, slot)
+    x_Nx1xD = x_Nx1xD + attn_out
+    x_Nx1xD = x_Nx1xD + self.mlp(self.post_attention_layernorm(x_Nx1xD))
+    return constrain(x_Nx1xD, ("batch", "length", "act_embed")), kv
 
 
-def _layer_apply(layer, x, positions, mask, layer_cache, index):
-  return layer(x, positions, mask, layer_cache, index)
+def _layer_apply(layer, x, positions, mask):
+  return layer(x, positions, mask)[0]
 
 
 _policies = jax.checkpoint_policies
@@ -221,66 +215,79 @@ class Qwen2ForCausalLM(nnx.Module):
     return jnp.einsum("btd,dv->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
 
   def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+    """An empty cache (every slot invalid), e.g. JetStream's decode slots."""
     cfg = self.config
-    dtype = dtype or cfg.jnp_dtype
-    shape = (batch_size, max_length, cfg.num_key_value_heads, cfg.dim_per_head)
-    zeros = lambda: jnp.zeros(shape, dtype)
-    n = cfg.num_hidden_layers
-    return KVCache(k=tuple(zeros() for _ in range(n)), v=tuple(zeros() for _ in range(n)),
-                   valid=jnp.zeros((batch_size, max_length), bool),
-                   index=jnp.zeros((batch_size,), jnp.int32))
+    return KVCache.zeros(cfg.num_hidden_layers, batch_size, max_length, cfg.num_key_value_heads,
+                         cfg.dim_per_head, dtype or cfg.jnp_dtype)
 
   def hidden_states(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-                    attention_mask_BxT: jax.Array | None = None,
-                    cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-    """Final-norm hidden states [B, T, D] (and the updated cache when one is given)."""
+                    attention_mask_BxT: jax.Array | None = None, *, with_cache: bool = False
+                    ) -> tuple[jax.Array, KVCache | None]:
+    """Final-norm hidden states [B, T, D] of a causal pass over T tokens, and (`with_cache`) a
+    T-slot KVCache of its keys and values, valid where the mask is (see `prefill`)."""
     cfg = self.config
     b, t = input_ids_BxT.shape
     if attention_mask_BxT is None:
       attention_mask_BxT = jnp.ones((b, t), bool)
     attention_mask_BxT = attention_mask_BxT.astype(bool)
     if positions_BxT is None:
-      if cache is not None:
-        raise ValueError("With a KV cache pass explicit positions (tokens already seen).")
       positions_BxT = default_positions(attention_mask_BxT)
-
-    if cache is None:
-      q_slot_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
-      key_valid_BxS = attention_mask_BxT
-    else:
-      q_slot_BxT = cache.index[:, None] + jnp.arange(t)[None, :]
-      write = lambda val, m, i: jax.lax.dynamic_update_slice(val, m, (i,))
-      key_valid_BxS = jax.vmap(write)(cache.valid, attention_mask_BxT, cache.index)
-    s = key_valid_BxS.shape[1]
-    causal_BxTxS = jnp.arange(s)[None, None, :] <= q_slot_BxT[:, :, None]
-    # T == S: a full pass (a cache this long is written from slot 0), query t at key slot t, so
-    # the fused kernels apply; T < S is a step over the cache.
-    mask = attention.Mask(causal_BxTxS & key_valid_BxS[:, None, :], key_valid_BxS,
-                          causal=t == s)
+    causal_BxTxT = jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]
+    # Query t at key slot t: the structure the fused kernels take (attention.Mask).
+    mask = attention.Mask(causal_BxTxT & attention_mask_BxT[:, None, :], attention_mask_BxT,
+                          causal=True)
 
     x = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("batch", "length", "act_embed"))
+    if with_cache:  # a prefill: no backward pass, so no remat
+      ks, vs = [], []
+      for layer in self.layers:
+        x, (k_BxTxKxE, v_BxTxKxE) = layer(x, positions_BxT, mask, with_kv=True)
+        ks.append(k_BxTxKxE)
+        vs.append(v_BxTxKxE)
+      return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.jnp_dtype)
     layer_fn = _layer_apply
-    if cfg.remat != "none" and cache is None:
+    if cfg.remat != "none":
       layer_fn = nnx.remat(_layer_apply, policy=REMAT_POLICIES[cfg.remat])
+    for layer in self.layers:
+      x = layer_fn(layer, x, positions_BxT, mask)
+    return self.norm(x), None
+
+  def prefill(self, input_ids_BxP: jax.Array, positions_BxP: jax.Array,
+              attention_mask_BxP: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Hidden states [B, P, D] of the prompts and their P-slot cache (index P on every row).
+
+    The attention is the full-pass kernel (`config.attention_impl`); only the one-token steps
+    after it take the cache path.
+    """
+    return self.hidden_states(input_ids_BxP, positions_BxP, attention_mask_BxP, with_cache=True)
+
+  def decode_step(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache, *,
+                  same_slot: bool = False) -> tuple[jax.Array, KVCache]:
+    """Feeds one token per row at slot ``cache.index``; returns fp32 logits [N, V].
+
+    `same_slot`: every row sits at ``cache.index[0]`` (a static batch), so each layer's write is
+    one in-place dynamic_update_slice instead of a per-row scatter. A row whose index is past
+    the end overwrites its last slot.
+    """
+    cfg = self.config
+    slot = cache.index[0] if same_slot else cache.index
+    valid_NxS = kv_cache.mark_valid(cache.valid, slot)
+    pos_Nx1 = positions_N[:, None]
+    x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0).astype(cfg.jnp_dtype)
+    x_Nx1xD = constrain(x_Nx1xD, ("batch", "length", "act_embed"))
     new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, upd = layer_fn(layer, x, positions_BxT, mask, layer_cache,
-                        None if cache is None else cache.index)
-      if upd is not None:
-        new_k.append(upd[0])
-        new_v.append(upd[1])
-    h = self.norm(x)
-    if cache is None:
-      return h, None
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid_BxS,
-                        index=cache.index + t)
-    return h, new_cache
+    for layer, k_NxKxExS, v_NxKxSxE in zip(self.layers, cache.k, cache.v):
+      x_Nx1xD, (k_NxKxExS, v_NxKxSxE) = layer.decode(x_Nx1xD, pos_Nx1, k_NxKxExS, v_NxKxSxE,
+                                                     valid_NxS, slot)
+      new_k.append(k_NxKxExS)
+      new_v.append(v_NxKxSxE)
+    logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
+    return logits_NxV, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_NxS,
+                               index=cache.index + 1)
 
   def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-               attention_mask_BxT: jax.Array | None = None, cache: KVCache | None = None):
-    """Logits [B, T, V] in fp32; with a cache, ``(logits, new_cache)``."""
-    h, new_cache = self.hidden_states(input_ids_BxT, positions_BxT, attention_mask_BxT, cache)
-    logits = self.logits_from_hidden(h)
-    return logits if cache is None else (logits, new_cache)
+               attention_mask_BxT: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] in fp32."""
+    h, _ = self.hidden_states(input_ids_BxT, positions_BxT, attention_mask_BxT)
+    return self.logits_from_hidden(h)

@@ -1,7 +1,8 @@
 """Continuous-batching rollout: every decode slot stays busy; a finished slot is refilled at once.
 
-Built from the engine's pure pieces (`prefill_rows`, `insert_rows`, `decode_step` in
-`jetstream_engine`), in two compiled programs with the slot state donated:
+Built from the decode-slot pieces the JetStream engine also uses (`prefill_rows`, `insert_rows`,
+`decode_step` in `rollout/slots.py`; no jetstream import), in two compiled programs with the slot
+state donated:
 
 * `refill`: prefills up to N waiting requests as one batch (padded to a power of two) and inserts
   them into the free slots; the prefill token is the first response token.
@@ -34,9 +35,9 @@ from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
 from dapo_jax.models.init import cast_params
-from dapo_jax.rollout import jetstream_engine as je
+from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import RolloutBatch
-from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
 
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -76,18 +77,11 @@ class RolloutStats:
 
 @flax.struct.dataclass
 class _Slots:
-  decode: je.DecodeState
+  decode: sl.DecodeState
   active: jax.Array  # [N] bool: holds a request still generating
   fresh_done: jax.Array  # [N] bool: finished by its prefill token (budget 1 or a stop token)
   count: jax.Array  # [N] int32 response tokens emitted so far
   budget: jax.Array  # [N] int32
-
-
-def _is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-  stop = jnp.zeros(tokens.shape, bool)
-  for eos in eos_ids:  # a handful of ids: unrolled compares
-    stop |= tokens == eos
-  return stop
 
 
 _STATIC = ("graphdef", "params", "mesh")
@@ -95,7 +89,7 @@ _STATIC = ("graphdef", "params", "mesh")
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "cache_length"))
 def _init_program(state, *, graphdef, num_slots: int, cache_length: int) -> _Slots:
-  decode = je.empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
+  decode = sl.empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
   z = jnp.zeros((num_slots,), jnp.int32)
   return _Slots(decode=decode, active=z.astype(bool), fresh_done=z.astype(bool), count=z,
                 budget=z)
@@ -108,11 +102,11 @@ def _refill_program(state, slots: _Slots, tokens_MxP, true_length_M, base_key_da
   """Prefills M requests and inserts them; slot id N (out of range) marks batch padding."""
   TRACE_COUNTS["refill"] += 1
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
-    keys = je.request_keys(base_key_data, key_ids_Mx2)
-    prefix = je.prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, params)
-  done_M = _is_stop(prefix.token, params.eos_ids) | (budget_M <= 1)
+    keys = request_keys(base_key_data, key_ids_Mx2)
+    prefix = sl.prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, params)
+  done_M = is_stop(prefix.token, params.eos_ids) | (budget_M <= 1)
   put = lambda dst, src: dst.at[slot_ids_M].set(src, mode="drop")
-  slots = _Slots(decode=je.insert_rows(prefix, slots.decode, slot_ids_M),
+  slots = _Slots(decode=sl.insert_rows(prefix, slots.decode, slot_ids_M),
                  active=put(slots.active, ~done_M), fresh_done=put(slots.fresh_done, done_M),
                  count=put(slots.count, jnp.ones_like(budget_M)),
                  budget=put(slots.budget, budget_M))
@@ -147,10 +141,10 @@ def _decode_chunk_program(state, slots: _Slots, *, graphdef, params: SamplingPar
 
     def body(c: _Chunk) -> _Chunk:
       s = c.slots
-      decode, _, _, _ = je.decode_step(model, s.decode, params)
+      decode, _, _, _ = sl.decode_step(model, s.decode, params)
       live = s.active
       count = s.count + live
-      finished = live & (_is_stop(decode.token, params.eos_ids) | (count >= s.budget))
+      finished = live & (is_stop(decode.token, params.eos_ids) | (count >= s.budget))
       put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
       return _Chunk(step=c.step + 1, any_done=jnp.any(finished),
                     slots=s.replace(decode=decode, active=live & ~finished, count=count),
@@ -189,7 +183,7 @@ class ContinuousSampler:
     if num_slots < 1 or chunk_steps < 1:
       raise ValueError(f"num_slots ({num_slots}) and chunk_steps ({chunk_steps}) must be >= 1.")
     self.graphdef = graphdef
-    self.max_prefill_length = max_prefill_length or je.PREFILL_BUCKETS[-1]
+    self.max_prefill_length = max_prefill_length or sl.PREFILL_BUCKETS[-1]
     self.num_slots = num_slots
     self.chunk_steps = chunk_steps
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -231,7 +225,7 @@ class ContinuousSampler:
     if longest > self.max_prefill_length:
       raise ValueError(f"A prompt has {longest} tokens; max_prefill_length is "
                        f"{self.max_prefill_length}.")
-    p = je.prefill_bucket(longest)
+    p = sl.prefill_bucket(longest)
     if self.mesh is not None:
       state = jax.device_put(state, shd.state_shardings(state, self.mesh, shd.SAMPLE_RULES))
     # fp32 master weights of a bf16 model: cast once per rollout, not on every decode step.

@@ -4,7 +4,8 @@ A decode state holds `max_concurrent_decodes` rows (slots) of one KV cache; rows
 cache indices. `prefill` runs one prompt (right-padded to a bucket) and samples its first response
 token; `insert` copies that prefix into a slot; `generate` feeds every slot's pending token and
 samples the next. All three are module-level programs compiled once per shape, with the model
-state passed as an argument and the decode state donated.
+state passed as an argument and the decode state donated. The pure pieces behind them (prefill,
+insert, one decode step through the model's `decode_step`) are in `rollout/slots.py`.
 
 Streaming order: a slot's pending token is emitted by the `generate` step that feeds it, so the
 prefill token is the first one JetStream's orchestrator sees (JetStream 0.2.2 drops anything
@@ -37,12 +38,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from dapo_jax import sharding as shd
-from dapo_jax.models.qwen2 import KVCache, Qwen2ForCausalLM
-from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.models.qwen2 import Qwen2ForCausalLM
+from dapo_jax.rollout.sampling import SamplingParams, request_keys
+from dapo_jax.rollout.slots import (PREFILL_BUCKETS, DecodeState, Prefix, decode_step,
+                                    empty_decode_state, insert_rows, prefill_rows)
 
-# JetStream's `pad_tokens` pads prompts to these lengths and only accepts a max_prefill_length
-# from this list (it calls `.index()` on it), so the engine does too.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Qwen2.5 has no BOS token, but JetStream prepends `bos_id` to every new request. We hand it this
 # sentinel and mask the slot out in prefill, so text and token requests see the same context.
 NO_TOKEN = -1
@@ -51,35 +51,6 @@ _TOKEN, _VALID, _LENGTH, _LOGPROB = 0, 1, 2, 3
 
 # Traces per program, so tests can catch silent recompiles.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-def prefill_bucket(length: int, max_length: int = PREFILL_BUCKETS[-1]) -> int:
-  """The smallest JetStream prefill bucket holding `length` tokens."""
-  for b in PREFILL_BUCKETS:
-    if b >= length and b <= max_length:
-      return b
-  raise ValueError(f"A prompt of {length} tokens exceeds max_prefill_length={max_length}.")
-
-
-@flax.struct.dataclass
-class Prefix:
-  """M prefilled prompts: their KV cache (P slots, right-padded) and first sampled token."""
-  cache: KVCache  # [M, P]; index = cache slots used (the prompt, padding after it is invalid)
-  token: jax.Array  # [M] int32 first response token
-  logprob: jax.Array  # [M] fp32
-  position: jax.Array  # [M] int32 real prompt tokens = position of the first response token
-  key: jax.Array  # [M, 2] uint32 request key data
-
-
-@flax.struct.dataclass
-class DecodeState:
-  """N decode slots. `token` is sampled but not yet fed; `generate` feeds and emits it."""
-  cache: KVCache  # [N, S]
-  token: jax.Array  # [N] int32
-  logprob: jax.Array  # [N] fp32
-  position: jax.Array  # [N] int32 position of `token`
-  length: jax.Array  # [N] int32 tokens emitted so far
-  key: jax.Array  # [N, 2] uint32
 
 
 @flax.struct.dataclass
@@ -96,91 +67,6 @@ class QwenResultTokens(engine_api.ResultTokens):
     rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
     bits = np.asarray(self.data[rows, self.logprob_idx[0]:self.logprob_idx[1]])
     return bits.astype(np.int32).view(np.float32)
-
-
-# --- pure building blocks (also used by rollout/continuous.py) --------------------------------
-
-
-def request_keys(base_key_data: jax.Array, ids_Mx2: jax.Array) -> jax.Array:
-  """Key data [M, 2] of fold_in(fold_in(base, ids[:, 0]), ids[:, 1])."""
-  base = jax.random.wrap_key_data(base_key_data)
-  fold = lambda i: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, i[0]), i[1]))
-  return jax.vmap(fold)(ids_Mx2)
-
-
-def sample_rows(logits_NxV: jax.Array, keys_Nx2: jax.Array, positions_N: jax.Array,
-                sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
-  """One token per row, row n keyed by fold_in(keys[n], positions[n])."""
-  def one(logits_V, key_data, pos):
-    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), pos)
-    tok, lp = sample_logits(logits_V[None], key, temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k)
-    return tok[0], lp[0]
-  return jax.vmap(one)(logits_NxV, keys_Nx2, positions_N)
-
-
-def prefill_rows(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M: jax.Array,
-                 keys_Mx2: jax.Array, sampling: SamplingParams) -> Prefix:
-  """Prefills right-padded prompts; ids < 0 (the BOS sentinel) are masked out."""
-  m, p = tokens_MxP.shape
-  used_M = jnp.clip(true_length_M, 0, p)  # JetStream keeps true_length past a truncation
-  real_MxP = (jnp.arange(p)[None] < used_M[:, None]) & (tokens_MxP >= 0)
-  ids_MxP = jnp.where(real_MxP, tokens_MxP, 0)  # a negative id would gather garbage (NaN) rows
-  pos_MxP = jnp.maximum(jnp.cumsum(real_MxP, axis=-1, dtype=jnp.int32) - 1, 0)
-  h_MxPxD, cache = model.hidden_states(ids_MxP, pos_MxP, real_MxP, model.init_cache(m, p))
-  last_M = jnp.maximum(used_M - 1, 0)
-  h_Mx1xD = jnp.take_along_axis(h_MxPxD, last_M[:, None, None], axis=1)
-  position_M = real_MxP.sum(-1, dtype=jnp.int32)
-  token_M, logprob_M = sample_rows(model.logits_from_hidden(h_Mx1xD)[:, 0], keys_Mx2,
-                                   position_M, sampling)
-  # Decode continues right after the prompt, overwriting the (invalid) padding slots.
-  return Prefix(cache=cache.replace(index=used_M), token=token_M, logprob=logprob_M,
-                position=position_M, key=keys_Mx2)
-
-
-def insert_rows(prefix: Prefix, state: DecodeState, slots_M: jax.Array) -> DecodeState:
-  """Writes M prefixes into slots `slots_M` (out-of-range slots are dropped: batch padding)."""
-  p = prefix.cache.max_length
-  put_kv = lambda dst, src: dst.at[slots_M, :p].set(src.astype(dst.dtype), mode="drop")
-  valid_MxS = jnp.zeros((slots_M.shape[0], state.cache.max_length), bool)
-  valid_MxS = valid_MxS.at[:, :p].set(prefix.cache.valid)  # stale KV past the prompt is invalid
-  put = lambda dst, src: dst.at[slots_M].set(src, mode="drop")
-  cache = KVCache(k=tuple(map(put_kv, state.cache.k, prefix.cache.k)),
-                  v=tuple(map(put_kv, state.cache.v, prefix.cache.v)),
-                  valid=put(state.cache.valid, valid_MxS),
-                  index=put(state.cache.index, prefix.cache.index))
-  return DecodeState(cache=cache, token=put(state.token, prefix.token),
-                     logprob=put(state.logprob, prefix.logprob),
-                     position=put(state.position, prefix.position),
-                     length=put(state.length, jnp.zeros_like(prefix.token)),
-                     key=put(state.key, prefix.key))
-
-
-def decode_step(model: Qwen2ForCausalLM, state: DecodeState, sampling: SamplingParams
-                ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
-  """Feeds every slot's pending token and samples the next one.
-
-  Returns the new state and the fed (emitted) tokens, their log-probs and validity: a token is
-  valid when the one before it still fit in the cache (later samples would see a clamped write).
-  """
-  n, s = state.token.shape[0], state.cache.max_length
-  valid_N = state.cache.index <= s
-  h_Nx1xD, cache = model.hidden_states(state.token[:, None], state.position[:, None],
-                                       jnp.ones((n, 1), bool), state.cache)
-  next_pos_N = state.position + 1
-  token_N, logprob_N = sample_rows(model.logits_from_hidden(h_Nx1xD)[:, 0], state.key,
-                                   next_pos_N, sampling)
-  new = DecodeState(cache=cache, token=token_N, logprob=logprob_N, position=next_pos_N,
-                    length=state.length + 1, key=state.key)
-  return new, state.token, state.logprob, valid_N
-
-
-def empty_decode_state(model: Qwen2ForCausalLM, num_slots: int, cache_length: int
-                       ) -> DecodeState:
-  z = jnp.zeros((num_slots,), jnp.int32)
-  return DecodeState(cache=model.init_cache(num_slots, cache_length), token=z,
-                     logprob=jnp.zeros((num_slots,), jnp.float32), position=z, length=z,
-                     key=jnp.zeros((num_slots, 2), jnp.uint32))
 
 
 # --- compiled programs ------------------------------------------------------------------------

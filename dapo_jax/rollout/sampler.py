@@ -22,8 +22,9 @@ from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
 from dapo_jax.models.init import cast_params
-from dapo_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, apply_rope, default_positions
-from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.models.qwen2 import Qwen2ForCausalLM, default_positions
+from dapo_jax.rollout.sampling import SamplingParams, is_stop, sample_logits
 
 
 @flax.struct.dataclass
@@ -52,53 +53,14 @@ class RolloutBatch:
 
 
 @flax.struct.dataclass
-class DecodeCache:
-  """The decode loop's KV cache, laid out for one-token steps.
-
-  Keys are [N, K, E, S] (slots minor) and values [N, K, S, E], so both attention products are
-  plain batched matmuls over (N, K). The model's [N, S, K, E] layout made XLA CPU transpose the
-  whole cache of every layer on every step (a quarter of the decode time at S = 160). All rows
-  of a static batch write the same slot, so the update is one in-place dynamic_update_slice,
-  not a per-row scatter.
-  """
-  k: tuple[jax.Array, ...]  # L x [N, K, E, S]
-  v: tuple[jax.Array, ...]  # L x [N, K, S, E]
-  valid: jax.Array  # [N, S] bool
-
-
-@flax.struct.dataclass
 class _Loop:
   """The while_loop carry."""
   step: jax.Array  # [] next response column to fill
   last_N: jax.Array  # [N] token written at column step - 1
   done_N: jax.Array  # [N] a stop token has been emitted
-  cache: DecodeCache
+  cache: KVCache
   response_NxR: jax.Array
   logprobs_NxR: jax.Array
-
-
-def _decode_cache(cache: KVCache, num_samples: int, extra_slots: int) -> DecodeCache:
-  """Prefilled [B, P] model cache -> [B*G, ..., P + extra_slots] decode cache (prompt-major).
-
-  One transpose, pad and repeat per rollout; the new slots start invalid.
-  """
-  def convert(x, perm, slot_axis):
-    pad = [(0, 0)] * x.ndim
-    pad[slot_axis] = (0, extra_slots)
-    x = jnp.repeat(jnp.pad(x.transpose(perm), pad), num_samples, axis=0)
-    return shd.constrain(x, ("batch", "kv_heads", None, None))
-  valid = jnp.repeat(jnp.pad(cache.valid, [(0, 0), (0, extra_slots)]), num_samples, axis=0)
-  return DecodeCache(k=tuple(convert(x, (0, 2, 3, 1), 3) for x in cache.k),
-                     v=tuple(convert(x, (0, 2, 1, 3), 2) for x in cache.v),
-                     valid=shd.constrain(valid, ("batch", None)))
-
-
-def _grow_cache(cache: DecodeCache, extra_slots: int) -> DecodeCache:
-  """Appends invalid slots (one copy of the cache, once per segment)."""
-  pad = lambda x, axis: jnp.pad(x, [(0, extra_slots) if a == axis else (0, 0)
-                                    for a in range(x.ndim)])
-  return DecodeCache(k=tuple(pad(x, 3) for x in cache.k), v=tuple(pad(x, 2) for x in cache.v),
-                     valid=pad(cache.valid, 1))
 
 
 def segment_ends(max_new_tokens: int, num_segments: int, min_columns: int = 16) -> list[int]:
@@ -109,57 +71,6 @@ def segment_ends(max_new_tokens: int, num_segments: int, min_columns: int = 16) 
   """
   ends = [-(-max_new_tokens // 2**i) for i in reversed(range(max(num_segments, 1)))]
   return sorted({e for e in ends if e >= min_columns} | {max_new_tokens})
-
-
-def _decode_step(model: Qwen2ForCausalLM, tokens_N: jax.Array, positions_N: jax.Array,
-                 slot: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
-  """One token per row through the model's own modules; returns fp32 logits [N, V].
-
-  Only the cache layout and the attention core (always the einsum form: a one-token step is
-  bandwidth-bound, so `attention_impl` only picks the prefill kernel) differ from
-  `Qwen2ForCausalLM.__call__`; tests/test_sampler.py checks both against the full forward.
-  """
-  cfg = model.config
-  dtype = cfg.jnp_dtype
-  n, k, e = tokens_N.shape[0], cfg.num_key_value_heads, cfg.dim_per_head
-  h = cfg.num_attention_heads
-  pos_Nx1 = positions_N[:, None]
-  valid_NxS = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((n, 1), bool), (0, slot))
-  x_Nx1xD = jnp.take(model.embed_tokens[...], tokens_N[:, None], axis=0).astype(dtype)
-  x_Nx1xD = shd.constrain(x_Nx1xD, ("batch", "length", "act_embed"))
-  new_k, new_v = [], []
-  for layer, k_NxKxExS, v_NxKxSxE in zip(model.layers, cache.k, cache.v):
-    attn = layer.self_attn
-    y_Nx1xD = layer.input_layernorm(x_Nx1xD)
-    q_Nx1xHxE = apply_rope(attn.q_proj(y_Nx1xD, dtype), pos_Nx1, attn.rope_theta)
-    q_Nx1xHxE = shd.constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
-    kn_Nx1xKxE = apply_rope(attn.k_proj(y_Nx1xD, dtype), pos_Nx1, attn.rope_theta)
-    vn_Nx1xKxE = attn.v_proj(y_Nx1xD, dtype)
-    k_NxKxExS = jax.lax.dynamic_update_slice(
-        k_NxKxExS, kn_Nx1xKxE.transpose(0, 2, 3, 1).astype(k_NxKxExS.dtype), (0, 0, 0, slot))
-    v_NxKxSxE = jax.lax.dynamic_update_slice(
-        v_NxKxSxE, vn_Nx1xKxE.transpose(0, 2, 1, 3).astype(v_NxKxSxE.dtype), (0, 0, slot, 0))
-    new_k.append(k_NxKxExS)
-    new_v.append(v_NxKxSxE)
-    # Grouped-query attention as in models/attention.py: head = kv_head * G + g, fp32 softmax.
-    q_NxKxGxE = q_Nx1xHxE.reshape(n, k, h // k, e)
-    s_NxKxGxS = jnp.einsum("nkge,nkes->nkgs", q_NxKxGxE, k_NxKxExS.astype(dtype),
-                           preferred_element_type=jnp.float32) * (e ** -0.5)
-    s_NxKxGxS = jnp.where(valid_NxS[:, None, None], s_NxKxGxS, jnp.finfo(jnp.float32).min)
-    p_NxKxGxS = jax.nn.softmax(s_NxKxGxS, axis=-1).astype(dtype)
-    o_NxKxGxE = jnp.einsum("nkgs,nkse->nkge", p_NxKxGxS, v_NxKxSxE.astype(dtype))
-    x_Nx1xD = x_Nx1xD + attn.o_proj(o_NxKxGxE.reshape(n, 1, h, e), dtype)
-    x_Nx1xD = x_Nx1xD + layer.mlp(layer.post_attention_layernorm(x_Nx1xD))
-    x_Nx1xD = shd.constrain(x_Nx1xD, ("batch", "length", "act_embed"))
-  logits_NxV = model.logits_from_hidden(model.norm(x_Nx1xD))[:, 0]
-  return logits_NxV, DecodeCache(k=tuple(new_k), v=tuple(new_v), valid=valid_NxS)
-
-
-def _is_stop(tokens_N: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-  stop_N = jnp.zeros(tokens_N.shape, bool)
-  for eos in eos_ids:  # a handful of ids: unrolled compares beat a gather
-    stop_N |= tokens_N == eos
-  return stop_N
 
 
 def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
@@ -182,8 +93,7 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
 
     # Prefill the B distinct prompts once, into a cache exactly P long (prefill attention
     # then covers P slots, not P + R).
-    h_BxPxD, cache = model.hidden_states(prompt_ids_BxP, default_positions(mask_BxP), mask_BxP,
-                                         model.init_cache(b, p))
+    h_BxPxD, cache = model.prefill(prompt_ids_BxP, default_positions(mask_BxP), mask_BxP)
     # The next-token logits sit at each row's last real token; gathering it (rather than
     # taking column P-1) makes left, right or no padding all work.
     last_B = jnp.max(jnp.where(mask_BxP, jnp.arange(p), 0), axis=-1)
@@ -191,8 +101,10 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     logits_NxV = jnp.repeat(model.logits_from_hidden(h_BxD[:, None])[:, 0], g, axis=0)
     logits_NxV = shd.constrain(logits_NxV, ("batch", "act_vocab"))
     # Decode writes response columns 0 .. R-2 into the cache (column R-1 is never fed back).
+    # Every row writes slot P + step - 1 (prompts share the padded length P), so the step
+    # writes all rows with one dynamic_update_slice (same_slot).
     ends = segment_ends(r, cache_segments)
-    cache = _decode_cache(cache, g, ends[0] - 1)
+    cache = cache.grow(ends[0] - 1).repeat(g)
     prompt_len_N = jnp.repeat(mask_BxP.sum(-1, dtype=jnp.int32), g)
 
     # Column 0 comes from the prefill logits. Each step folds its index into the key; rows
@@ -201,7 +113,7 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     put = lambda buf_NxR, col_N, step: jax.lax.dynamic_update_slice(
         buf_NxR, col_N[:, None].astype(buf_NxR.dtype), (0, step))
     init = _Loop(
-        step=jnp.array(1, jnp.int32), last_N=tok_N, done_N=_is_stop(tok_N, params.eos_ids),
+        step=jnp.array(1, jnp.int32), last_N=tok_N, done_N=is_stop(tok_N, params.eos_ids),
         cache=cache,
         response_NxR=put(jnp.full((n, r), params.pad_id, jnp.int32), tok_N, 0),
         logprobs_NxR=put(jnp.zeros((n, r), jnp.float32), lp_N, 0))
@@ -210,16 +122,17 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
       return (c.step < end) & ~jnp.all(c.done_N)
 
     def body(c: _Loop) -> _Loop:
-      # Feed column step - 1: cache slot P + step - 1 (the same for every row, as prompts
-      # share the padded length P), position = the row's real tokens before it.
-      logits_NxV, cache = _decode_step(model, c.last_N, prompt_len_N + c.step - 1,
-                                       p + c.step - 1, c.cache)
+      # Feed column step - 1: cache slot P + step - 1, position = the row's real tokens
+      # before it.
+      logits_NxV, cache = model.decode_step(c.last_N, prompt_len_N + c.step - 1, c.cache,
+                                            same_slot=True)
       tok_N, lp_N = sample(logits_NxV, jax.random.fold_in(key, c.step))
       # Rows already stopped keep emitting pad (masked out, log-prob 0): spec section 6.1.
       tok_N = jnp.where(c.done_N, params.pad_id, tok_N)
       lp_N = jnp.where(c.done_N, 0.0, lp_N)
-      return _Loop(step=c.step + 1, last_N=tok_N, done_N=c.done_N | _is_stop(tok_N, params.eos_ids),
-                   cache=cache, response_NxR=put(c.response_NxR, tok_N, c.step),
+      return _Loop(step=c.step + 1, last_N=tok_N,
+                   done_N=c.done_N | is_stop(tok_N, params.eos_ids), cache=cache,
+                   response_NxR=put(c.response_NxR, tok_N, c.step),
                    logprobs_NxR=put(c.logprobs_NxR, lp_N, c.step))
 
     # One while_loop per segment; each attends over a cache only as long as its last step
@@ -227,11 +140,11 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     out = init
     for i, end in enumerate(ends):
       if i:
-        out = out.replace(cache=_grow_cache(out.cache, end - ends[i - 1]))
+        out = out.replace(cache=out.cache.grow(end - ends[i - 1]))
       out = jax.lax.while_loop(functools.partial(cond, end=end), body, out)
 
     # The mask is every column up to and including the first stop token.
-    stop_NxR = _is_stop(out.response_NxR, params.eos_ids)
+    stop_NxR = is_stop(out.response_NxR, params.eos_ids)
     stops_before_NxR = jnp.cumsum(stop_NxR, axis=-1) - stop_NxR
     response_mask_NxR = (stops_before_NxR == 0) & (jnp.arange(r) < out.step)
     row = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))

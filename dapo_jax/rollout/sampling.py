@@ -1,4 +1,4 @@
-"""Token-level sampling: temperature, top-k and top-p (nucleus) in one pure function.
+"""Token-level sampling: temperature, top-k and top-p (nucleus), stop tokens, per-request keys.
 
 The switches are static Python values, so a disabled feature compiles to nothing: the DAPO
 training rollout (spec section 6 point 1: temperature 1.0, top_p 1.0, no top_k) is a single
@@ -134,3 +134,30 @@ def sample_logits(
   choice_B = _categorical(key, cand_BxK)
   tokens_B = _gather(idx_BxK, choice_B).astype(jnp.int32)
   return tokens_B, _gather(logprobs_BxV, tokens_B)
+
+
+def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  """Where `tokens` is one of the stop ids (any shape)."""
+  stop = jnp.zeros(tokens.shape, bool)
+  for eos in eos_ids:  # a handful of ids: unrolled compares beat a gather
+    stop |= tokens == eos
+  return stop
+
+
+def request_keys(base_key_data: jax.Array, ids_Mx2: jax.Array) -> jax.Array:
+  """Key data [M, 2] of fold_in(fold_in(base, ids[:, 0]), ids[:, 1]): one stream per request."""
+  base = jax.random.wrap_key_data(base_key_data)
+  fold = lambda i: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, i[0]), i[1]))
+  return jax.vmap(fold)(ids_Mx2)
+
+
+def sample_rows(logits_NxV: jax.Array, keys_Nx2: jax.Array, positions_N: jax.Array,
+                params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+  """One token per row, row n keyed by fold_in(keys[n], positions[n]), so a request's draws do
+  not depend on which slot or step it ran in."""
+  def one(logits_V, key_data, pos):
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), pos)
+    tok, lp = sample_logits(logits_V[None], key, temperature=params.temperature,
+                            top_p=params.top_p, top_k=params.top_k)
+    return tok[0], lp[0]
+  return jax.vmap(one)(logits_NxV, keys_Nx2, positions_N)
