@@ -126,14 +126,14 @@ def test_splash_under_a_mesh_is_shard_mapped_and_matches():
 
 
 def test_decode_attention_matches_einsum_reference():
+  """One query over the cache layout ([N, K, E, S] keys, [N, K, S, E] values) equals the
+  full-pass einsums over [B, S, K, E]."""
   q, k, v = _qkv(seed=2, t=1, s=40)
-  mask_Bx1xS = jnp.asarray(np.random.RandomState(3).rand(B, 1, 40) > 0.3)
-  mask = attention.Mask(mask_Bx1xS, mask_Bx1xS[:, 0], causal=False)
-  for impl in attention.IMPLS:  # a step over a cache takes the decode path whatever impl says
-    out = attention.dot_product_attention(q, k, v, mask, impl=impl)
-    np.testing.assert_allclose(np.asarray(out),
-                               np.asarray(attention.xla_attention(q, k, v, mask_Bx1xS)),
-                               atol=1e-5)
+  valid_BxS = jnp.asarray(np.random.RandomState(3).rand(B, 40) > 0.3)
+  out = attention.decode_attention(q[:, 0], k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
+                                   valid_BxS)
+  ref = attention.xla_attention(q, k, v, valid_BxS[:, None])[:, 0]
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
 
 
 def test_model_forward_with_splash_matches_xla():
@@ -149,17 +149,17 @@ def test_model_forward_with_splash_matches_xla():
   np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-4)
 
 
-def test_kv_cache_decode_step_never_copies_the_cache():
-  """One token over a [B, S, K, E] cache: no transpose or copy of a cache-sized array."""
+@pytest.mark.parametrize("same_slot", [True, False], ids=["shared_slot", "per_row_slots"])
+def test_kv_cache_decode_step_never_copies_the_cache(same_slot):
+  """model.decode_step, one token per row: no transpose or copy of a cache-sized array, whether
+  all rows write one slot (static sampler) or each its own (JetStream slots)."""
   model = create_model(get_preset("test"), seed=0)
   graphdef, state = nnx.split(model)
   n, s = 8, 96
-  cache = model.init_cache(n, s)
+  cache = model.init_cache(n, s).replace(index=jnp.arange(n, dtype=jnp.int32) * 5)
 
   def step(state, cache, tok_N, pos_N):
-    m = nnx.merge(graphdef, state)
-    logits, cache = m(tok_N[:, None], pos_N[:, None], jnp.ones((n, 1), bool), cache)
-    return logits, cache
+    return nnx.merge(graphdef, state).decode_step(tok_N, pos_N, cache, same_slot=same_slot)
 
   args = (state, cache, jnp.zeros((n,), jnp.int32), jnp.full((n,), 5, jnp.int32))
   hlo = jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()

@@ -56,7 +56,20 @@ def test_left_padded_batch_matches_transformers(ckpt):
   assert np.abs(alone[0] - ours[0, 5:]).max() < TOL
 
 
+def _decode(model, cache, ids_NxT, pos_NxT, same_slot):
+  """`model.decode_step` (the one every sampler uses) over T columns, compiled once."""
+  step = jax.jit(lambda m, c, tok, pos: m.decode_step(tok, pos, c, same_slot=same_slot))
+  got = []
+  for t in range(ids_NxT.shape[1]):
+    logits_NxV, cache = step(model, cache, jnp.asarray(ids_NxT[:, t]), jnp.asarray(pos_NxT[:, t]))
+    got.append(np.asarray(logits_NxV))
+  return np.stack(got, axis=1), cache
+
+
 def test_prefill_then_kv_cache_decode_matches_transformers(ckpt):
+  """A left-padded batch at one shared slot (the static sampler's write: one
+  dynamic_update_slice per layer) and a right-padded one whose rows sit at different slots
+  (JetStream's decode slots: a per-row scatter) both reproduce the full HF forward."""
   model = dapo_jax.load_pretrained(ckpt)
   ids = _ids(2, 14, seed=2)
   mask = np.ones_like(ids)
@@ -64,19 +77,35 @@ def test_prefill_then_kv_cache_decode_matches_transformers(ckpt):
   ids = np.where(mask == 1, ids, 0)
   pos = np.asarray(default_positions(jnp.asarray(mask)))
   ref = hf_fixtures.hf_logits(ckpt, ids, attention_mask=mask, positions=pos)
-  prompt_len = 6
-  cache = model.init_cache(2, 20)
-  logits, cache = model(jnp.asarray(ids[:, :prompt_len]), jnp.asarray(pos[:, :prompt_len]),
-                        jnp.asarray(mask[:, :prompt_len]), cache=cache)
-  got = [np.asarray(logits)]
-  for t in range(prompt_len, 14):
-    step, cache = model(jnp.asarray(ids[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]),
-                        jnp.asarray(mask[:, t:t + 1]), cache=cache)
-    got.append(np.asarray(step))
-  got = np.concatenate(got, axis=1)
-  real = mask.astype(bool)
+  prompt_len, real = 6, mask.astype(bool)
+
+  h, cache = model.prefill(jnp.asarray(ids[:, :prompt_len]), jnp.asarray(pos[:, :prompt_len]),
+                           jnp.asarray(mask[:, :prompt_len]))
+  assert cache.k[0].shape == (2, 2, 16, prompt_len)  # [N, K, E, S]
+  assert cache.v[0].shape == (2, 2, prompt_len, 16)  # [N, K, S, E]
+  got, cache = _decode(model, cache.grow(14 - prompt_len), ids[:, prompt_len:],
+                       pos[:, prompt_len:], same_slot=True)
+  got = np.concatenate([np.asarray(model.logits_from_hidden(h)), got], axis=1)
   assert np.abs(got[real] - ref[real]).max() < TOL
-  assert int(cache.index[0]) == 14
+  assert cache.index.tolist() == [14, 14] and bool(cache.valid[1, 3:].all())
+
+  # Row 1 again, right-padded: prompt = its 3 real tokens, then its slots run 3 behind row 0.
+  right_ids = ids.copy()
+  right_ids[1, :3], right_ids[1, 3:prompt_len] = ids[1, 3:prompt_len], 0
+  right_mask = np.ones_like(mask)
+  right_mask[1, 3:prompt_len] = 0
+  h, cache = model.prefill(jnp.asarray(right_ids[:, :prompt_len]),
+                           jnp.asarray(default_positions(jnp.asarray(right_mask))[:, :prompt_len]),
+                           jnp.asarray(right_mask[:, :prompt_len]))
+  cache = cache.replace(index=jnp.asarray([prompt_len, 3], jnp.int32))
+  got, cache = _decode(model, cache.grow(14 - prompt_len), ids[:, prompt_len:],
+                       pos[:, prompt_len:], same_slot=False)
+  prefill_logits = np.asarray(model.logits_from_hidden(h))
+  assert np.abs(prefill_logits[0] - ref[0, :prompt_len]).max() < TOL
+  assert np.abs(prefill_logits[1, :3] - ref[1, 3:prompt_len]).max() < TOL
+  assert np.abs(got - ref[:, prompt_len:]).max() < TOL
+  assert cache.index.tolist() == [14, 11]
+  assert cache.valid[1].tolist() == [True] * 11 + [False] * 3  # decode overwrote the padding
 
 
 def test_export_reload_with_transformers(ckpt, tmp_path):
