@@ -2,6 +2,7 @@ r"""Decode throughput of the compiled sampler against Hugging Face `generate`, s
 
     python bench/decode_throughput.py              # tiny Qwen2, B=64, P=32, R=128
     python bench/decode_throughput.py --repeats 5 --wide_hidden 1024
+    python bench/decode_throughput.py --baseline_path /tmp/dec_base   # old vs this dapo_jax
 
 Prints a table: generated tokens/s of `transformers` `generate` and of
 `dapo_jax.rollout.Sampler` on the same random checkpoint (written by transformers, loaded with
@@ -9,12 +10,22 @@ Prints a table: generated tokens/s of `transformers` `generate` and of
 R tokens. The engines are timed interleaved in one run (the CPU is shared; ratios are what count),
 warm-up excluded. Then decode and prefill utilisation of a wider model against the fp32 matmul
 peak measured in the same run. A benchmark, not a test: nothing here asserts a time.
+
+With `--baseline_path DIR` (a directory holding another `dapo_jax` package, e.g. from
+`git archive main dapo_jax | tar -x -C DIR`) it instead times that Sampler against this one on the
+same checkpoint, in alternating subprocesses (PYTHONPATH=DIR vs this checkout), and checks that
+both sample the same tokens and log-probs bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -131,6 +142,54 @@ def flops_per_token(cfg: Qwen2Config, context: float) -> float:
   return 2 * matmul_params + attn
 
 
+def _child(ckpt: str, b: int, p: int, r: int, repeats: int):
+  """One side of the A/B: best time of `repeats` Sampler calls, and a digest of one output."""
+  ids = np.random.RandomState(0).randint(1, TINY["vocab_size"], (b, p)).astype(np.int32)
+  model = dapo_jax.load_pretrained(ckpt)
+  graphdef, state = nnx.split(model)
+  sampler = Sampler(graphdef)
+  params = SamplingParams(temperature=1.0, max_new_tokens=r, eos_ids=())
+  mask = np.ones_like(ids, bool)
+  out = jax.device_get(sampler.generate(state, ids, mask, jax.random.key(1), params))  # compile
+  digest = hashlib.sha256(np.asarray(out.response_ids).tobytes()
+                          + np.asarray(out.logprobs).tobytes()).hexdigest()[:16]
+  times = []
+  for i in range(repeats):
+    t = time.perf_counter()
+    assert int(sampler.generate(state, ids, mask, jax.random.key(2 + i), params).num_steps) == r
+    times.append(time.perf_counter() - t)
+  print(json.dumps({"best": min(times), "digest": digest, "file": dapo_jax.__file__}))
+
+
+def baseline_ab(baseline: str, b: int, p: int, r: int, rounds: int, repeats: int):
+  """Old (`baseline`) vs this dapo_jax, alternating subprocesses; prints tok/s and the ratio."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+  cpu = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if "Model name" in l), "?")
+  best = {"old": float("inf"), "new": float("inf")}
+  digests = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = write_hf_checkpoint(tmp, **TINY)
+    for _ in range(rounds):
+      for name, path in (("old", baseline), ("new", here)):
+        env = dict(os.environ, PYTHONPATH=path)
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", ckpt,
+                              "--batch", str(b), "--prompt_len", str(p), "--new_tokens", str(r),
+                              "--repeats", str(repeats)], env=env, capture_output=True,
+                             text=True, check=True)
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got["file"].startswith(os.path.abspath(path)), (got["file"], path)
+        best[name] = min(best[name], got["best"])
+        digests[name] = got["digest"]
+  print(f"CPU: {cpu}; jax {jax.__version__}; B={b} P={p} R={r}, temperature 1, best of "
+        f"{rounds} alternating rounds x {repeats} calls\n")
+  print("| sampler | best tok/s |\n|---|---|")
+  for name in ("old", "new"):
+    print(f"| {name} | {b * r / best[name]:,.0f} |")
+  print(f"\nnew / old throughput: {best['old'] / best['new']:.3f}x; same tokens and log-probs: "
+        f"{digests['old'] == digests['new']} ({digests['old']} vs {digests['new']})")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--batch", type=int, default=64)
@@ -141,7 +200,17 @@ def main():
   ap.add_argument("--cpu_devices", type=int, default=2,
                   help="also time the sampler with the prompts split over this many CPU "
                        "devices (one per core); 1 skips it")
+  ap.add_argument("--baseline_path", default="",
+                  help="a directory holding an older dapo_jax: time its Sampler against this "
+                       "one instead (alternating subprocesses)")
+  ap.add_argument("--rounds", type=int, default=4, help="alternations with --baseline_path")
+  ap.add_argument("--_child", dest="child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.child:
+    return _child(args.child, args.batch, args.prompt_len, args.new_tokens, args.repeats)
+  if args.baseline_path:
+    return baseline_ab(os.path.abspath(args.baseline_path), args.batch, args.prompt_len,
+                       args.new_tokens, args.rounds, args.repeats)
   if args.cpu_devices > 1:  # before any backend starts
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   b, p, r = args.batch, args.prompt_len, args.new_tokens
