@@ -105,10 +105,12 @@ class Attention(nnx.Module):
     out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
     return self.o_proj(out_BxTxHxE, dtype), ((k, v) if with_kv else None)
 
-  def decode(self, x_Nx1xD, positions_Nx1, k_NxKxExS, v_NxKxSxE, valid_NxS, slot):
-    """One token per row: writes its key and value at `slot`, attends over the cache."""
+  def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
+             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array
+             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One token per row: writes its key and value at `slot` (scalar or [N]), attends over the
+    cache layer (`valid_NxS` already marks the new slot)."""
     dtype = x_Nx1xD.dtype
-    n = x_Nx1xD.shape[0]
     q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
     q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
     kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
@@ -153,7 +155,9 @@ class DecoderLayer(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ("batch", "length", "act_embed")), kv
 
-  def decode(self, x_Nx1xD, positions_Nx1, k_NxKxExS, v_NxKxSxE, valid_NxS, slot):
+  def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
+             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array
+             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     attn_out, kv = self.self_attn.decode(self.input_layernorm(x_Nx1xD), positions_Nx1,
                                          k_NxKxExS, v_NxKxSxE, valid_NxS, slot)
     x_Nx1xD = x_Nx1xD + attn_out

@@ -39,9 +39,9 @@ from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_p
 
 from dapo_jax import sharding as shd
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
+from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampling import SamplingParams, request_keys
-from dapo_jax.rollout.slots import (PREFILL_BUCKETS, DecodeState, Prefix, decode_step,
-                                    empty_decode_state, insert_rows, prefill_rows)
+from dapo_jax.rollout.slots import PREFILL_BUCKETS, DecodeState, Prefix
 
 # Qwen2.5 has no BOS token, but JetStream prepends `bos_id` to every new request. We hand it this
 # sentinel and mask the slot out in prefill, so text and token requests see the same context.
@@ -81,13 +81,13 @@ def prefill_program(state: nnx.State, tokens_MxP, true_length_M, base_key_data, 
   TRACE_COUNTS["prefill"] += 1
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     keys = request_keys(base_key_data, key_ids_Mx2)
-    return prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, sampling)
+    return sl.prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, sampling)
 
 
 @functools.partial(jax.jit, donate_argnames=("decode_state",))
 def insert_program(prefix: Prefix, decode_state: DecodeState, slots_M) -> DecodeState:
   TRACE_COUNTS["insert"] += 1
-  return insert_rows(prefix, decode_state, slots_M)
+  return sl.insert_rows(prefix, decode_state, slots_M)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("decode_state",))
@@ -96,7 +96,7 @@ def generate_program(state: nnx.State, decode_state: DecodeState, *, graphdef: n
                      ) -> tuple[DecodeState, jax.Array]:
   TRACE_COUNTS["generate"] += 1
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
-    new, token_N, logprob_N, valid_N = decode_step(nnx.merge(graphdef, state), decode_state,
+    new, token_N, logprob_N, valid_N = sl.decode_step(nnx.merge(graphdef, state), decode_state,
                                                    sampling)
   data_Nx4 = jnp.stack([token_N, valid_N.astype(jnp.int32), new.length,
                         jax.lax.bitcast_convert_type(logprob_N, jnp.int32)], axis=-1)
@@ -106,7 +106,7 @@ def generate_program(state: nnx.State, decode_state: DecodeState, *, graphdef: n
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "cache_length"))
 def init_program(state: nnx.State, *, graphdef: nnx.GraphDef, num_slots: int,
                  cache_length: int) -> DecodeState:
-  return empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
+  return sl.empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
 
 
 # --- tokenizer adapter ------------------------------------------------------------------------
