@@ -21,7 +21,7 @@ from dapo_jax import serve  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampler import generate  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
-from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
 from tests import rollout_fixtures  # pylint: disable=g-import-not-at-top
 
 R = 12  # decode capacity of the test engines

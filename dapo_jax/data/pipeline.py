@@ -14,7 +14,7 @@ from dapo_jax.data.records import MathRecord
 
 
 class ChatTokenizer(Protocol):
-  """What the data pipeline needs from a tokenizer (see dapo_jax/tokenizer.py)."""
+  """What the data pipeline needs from a tokenizer (see dapo_jax/tokenizers/)."""
   pad_id: int
 
   def apply_chat_template(self, messages: list[dict[str, str]],

@@ -227,7 +227,7 @@ def init_program(state: nnx.State, *, graphdef: nnx.GraphDef, num_slots: int,
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):
-  """Adapts a `dapo_jax.tokenizer.Tokenizer` to JetStream's tokenizer interface.
+  """Adapts a `dapo_jax.tokenizers.Tokenizer` to JetStream's tokenizer interface.
 
   Streaming detokenisation decodes one id at a time (as JetStream does): a character split over
   several byte-level tokens arrives as U+FFFD in `text`; `token_ids` are always exact.
@@ -275,8 +275,8 @@ class QwenEngine(engine_api.Engine):
 
   Args:
     model: the policy; its state is split once and passed to every program.
-    tokenizer: a `dapo_jax.tokenizer.Tokenizer`; when None, `build_tokenizer` loads
-      `tokenizer_path` with `dapo_jax.tokenizer.load_tokenizer`.
+    tokenizer: a `dapo_jax.tokenizers.Tokenizer`; when None, `build_tokenizer` loads
+      `tokenizer_path` with `dapo_jax.tokenizers.load_tokenizer`.
     max_concurrent_decodes: decode slots N.
     max_prefill_length: longest prompt (a JetStream bucket: 16, 32, ..., 32768).
     sampling: temperature / top_p / top_k; `max_new_tokens` sizes the cache (a longer request
@@ -357,7 +357,7 @@ class QwenEngine(engine_api.Engine):
 
   def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
     if self._tokenizer is None:
-      from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+      from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
       self._tokenizer = load_tokenizer(metadata.path or None)
     return JetStreamTokenizer(self._tokenizer)
 
