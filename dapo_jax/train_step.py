@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dapo_jax import objective as obj
 from dapo_jax import sharding as shd
 from dapo_jax.logprobs import forward_log_probs, response_log_probs, split_micro
-from dapo_jax.models import cast_params, default_positions
+from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests use ts.cast_params)
 from dapo_jax.tracing import TraceCounter
 
 
