@@ -21,6 +21,7 @@ from etils import epath
 
 CONFIG_FILE = "config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
+CURVES_FILE = "curves.png"
 
 
 def resolve(path: epath.PathLike) -> epath.Path:
@@ -71,6 +72,23 @@ def write_final_metrics(workdir: epath.PathLike, result: dict[str, Any]) -> None
   workdir = resolve(workdir)
   if _writes_shared_files(workdir):
     write_text_atomic(workdir / FINAL_METRICS_FILE, json.dumps(result, indent=2))
+
+
+def write_final_files(workdir: epath.PathLike, result: dict[str, Any]) -> list[dict[str, Any]]:
+  """End of a run: ``curves.png`` and ``final_metrics.json``; returns the rows of metrics.jsonl.
+
+  The metrics are written by process 0 only, so only process 0 draws and returns them (other
+  processes get []; on a local disk of another host the file does not exist).
+  """
+  from dapo_jax import metrics  # pylint: disable=g-import-not-at-top  (metrics imports us)
+  import jax  # pylint: disable=g-import-not-at-top
+  workdir = resolve(workdir)
+  rows = []
+  if jax.process_index() == 0:
+    metrics.plot_curves(workdir / metrics.METRICS_FILE, workdir / CURVES_FILE)
+    rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
+  write_final_metrics(workdir, result)
+  return rows
 
 
 def read_json(path: epath.PathLike) -> Any:
