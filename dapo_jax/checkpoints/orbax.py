@@ -445,6 +445,10 @@ class TrainCheckpointer:
     if jax.process_index() == 0:
       dest_root = self.directory / CORRUPT_SUBDIR
       dest_root.mkdir(parents=True, exist_ok=True)
+      if "://" in str(dest_root) and not dest_root.exists():
+        # Object stores have no empty directories, and epath renames only into an existing one.
+        (dest_root / "README.txt").write_text(
+            "Checkpoint steps that failed to read back, moved here by dapo_jax.\n")
       for s in steps:
         dest = dest_root / f"{s}-{int(time.time())}"
         (self.directory / str(s)).rename(dest)
