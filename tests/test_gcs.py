@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
@@ -232,17 +233,19 @@ def test_damaged_step_on_gcs_is_quarantined(gcs, bucket):
   assert not (root / "2").exists()
 
 
-class _FlakyRestore:
-  """Orbax's restore entry point raising a real I/O error the first ``fails`` times."""
+class _FlakyRead:
+  """Orbax's read of a step (`CompositeCheckpointHandler.restore`) raising a real I/O error
+  object the first ``fails`` times, then reading for real."""
 
-  def __init__(self, real, fails: int, error: Exception):
-    self.real, self.fails, self.error, self.calls = real, fails, error, 0
+  def __init__(self, fails: int, error: Exception):
+    self.real = ocp.CompositeCheckpointHandler.restore
+    self.fails, self.error, self.calls = fails, error, 0
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, handler, directory, *args, **kwargs):
     self.calls += 1
     if self.calls <= self.fails:
       raise self.error
-    return self.real(*args, **kwargs)
+    return self.real(handler, directory, *args, **kwargs)
 
 
 @pytest.mark.parametrize("error", [
@@ -252,14 +255,14 @@ class _FlakyRestore:
 def test_transient_io_error_is_retried_never_skipped(gcs, bucket, monkeypatch, error):
   root = epath.Path(f"gs://{bucket}/ck")
   ck = _saved(root, read_retries=3)
-  flaky = _FlakyRestore(ck._mgr.restore, fails=2, error=error)  # pylint: disable=protected-access
-  monkeypatch.setattr(ck._mgr, "restore", flaky)  # pylint: disable=protected-access
+  flaky = _FlakyRead(fails=2, error=error)
+  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", flaky)
   with ck:
     assert _restore(ck).step == 2 and flaky.calls == 3
   # Past the retries: loud, and the newest step is neither skipped nor moved.
   ck = ock.TrainCheckpointer(root, read_retries=2, retry_backoff_s=0.01)
-  flaky = _FlakyRestore(ck._mgr.restore, fails=99, error=error)  # pylint: disable=protected-access
-  monkeypatch.setattr(ck._mgr, "restore", flaky)  # pylint: disable=protected-access
+  flaky = _FlakyRead(fails=99, error=error)
+  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", flaky)
   with ck, pytest.raises(ock.CheckpointIOError, match=r"step 2 .* 3 attempts.*Nothing was"):
     _restore(ck)
   assert flaky.calls == 3

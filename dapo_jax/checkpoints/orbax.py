@@ -176,16 +176,29 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _read_step(mgr: ocp.CheckpointManager, step: int, abstract_params: Any,
+def _read_step(directory: epath.Path, step: int, abstract_params: Any,
                abstract_opt_state: Any) -> dict[str, Any]:
-  """The raw items of ``step``; per process (each reads its own shards), no collective."""
+  """The raw items of ``step``; per process (each reads its own shards), no collective.
+
+  Read with Orbax's item handlers, not ``CheckpointManager.restore``: that one ends with a
+  barrier of all processes, which a process whose read failed never reaches (the others would
+  wait there until the barrier times out). The processes meet in `_read_agreed` instead.
+  """
+  handlers = {"params": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   args = {"params": ocp.args.StandardRestore(_abstract(abstract_params)),
           "meta": ocp.args.JsonRestore()}
   if abstract_opt_state is not None:
+    handlers["opt_state"] = ocp.StandardCheckpointHandler()
     args["opt_state"] = ocp.args.StandardRestore(_abstract(abstract_opt_state))
-  if (epath.Path(mgr.directory) / str(step) / "integrity").exists():
+  step_dir = epath.Path(directory) / str(step)
+  if (step_dir / "integrity").exists():
+    handlers["integrity"] = ocp.JsonCheckpointHandler()
     args["integrity"] = ocp.args.JsonRestore()
-  return dict(mgr.restore(step, args=ocp.args.Composite(**args)))
+  handler = ocp.CompositeCheckpointHandler(**handlers)
+  try:
+    return dict(handler.restore(step_dir, args=ocp.args.Composite(**args)))
+  finally:
+    handler.close()
 
 
 def _checked(out: dict[str, Any]) -> Restored:
@@ -414,7 +427,7 @@ class TrainCheckpointer:
     """
     self._mgr.wait_until_finished()
     return _restore(self._mgr, step,
-                    lambda s: _read_step(self._mgr, s, abstract_params, abstract_opt_state),
+                    lambda s: _read_step(self.directory, s, abstract_params, abstract_opt_state),
                     self._quarantine, retries=self._retries, backoff_s=self._backoff_s)
 
   def latest_step(self) -> int | None:
@@ -475,7 +488,7 @@ def load_params_only(directory: str | epath.PathLike, step: int | None = None, *
                                          enable_async_checkpointing=False)
   mgr = ocp.CheckpointManager(directory, options=options)
   try:
-    restored = _restore(mgr, step, lambda s: _read_step(mgr, s, abstract_params, None),
+    restored = _restore(mgr, step, lambda s: _read_step(directory, s, abstract_params, None),
                         lambda _: None, retries=read_retries, backoff_s=retry_backoff_s)
   finally:
     mgr.close()
