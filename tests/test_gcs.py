@@ -233,19 +233,18 @@ def test_damaged_step_on_gcs_is_quarantined(gcs, bucket):
   assert not (root / "2").exists()
 
 
-class _FlakyRead:
-  """Orbax's read of a step (`CompositeCheckpointHandler.restore`) raising a real I/O error
-  object the first ``fails`` times, then reading for real."""
+def _flaky_read(monkeypatch, fails: int, error: Exception) -> list[int]:
+  """Orbax's read of a step (`CompositeCheckpointHandler.restore`) raises a real I/O error
+  object the first ``fails`` times, then reads for real; returns the call counter."""
+  real, calls = ocp.CompositeCheckpointHandler.restore, [0]
 
-  def __init__(self, fails: int, error: Exception):
-    self.real = ocp.CompositeCheckpointHandler.restore
-    self.fails, self.error, self.calls = fails, error, 0
-
-  def __call__(self, handler, directory, *args, **kwargs):
-    self.calls += 1
-    if self.calls <= self.fails:
-      raise self.error
-    return self.real(handler, directory, *args, **kwargs)
+  def restore(handler, directory, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] <= fails:
+      raise error
+    return real(handler, directory, *args, **kwargs)
+  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", restore)
+  return calls
 
 
 @pytest.mark.parametrize("error", [
@@ -255,17 +254,16 @@ class _FlakyRead:
 def test_transient_io_error_is_retried_never_skipped(gcs, bucket, monkeypatch, error):
   root = epath.Path(f"gs://{bucket}/ck")
   ck = _saved(root, read_retries=3)
-  flaky = _FlakyRead(fails=2, error=error)
-  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", flaky)
+  calls = _flaky_read(monkeypatch, fails=2, error=error)
   with ck:
-    assert _restore(ck).step == 2 and flaky.calls == 3
+    assert _restore(ck).step == 2 and calls == [3]
   # Past the retries: loud, and the newest step is neither skipped nor moved.
   ck = ock.TrainCheckpointer(root, read_retries=2, retry_backoff_s=0.01)
-  flaky = _FlakyRead(fails=99, error=error)
-  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", flaky)
+  monkeypatch.undo()
+  calls = _flaky_read(monkeypatch, fails=99, error=error)
   with ck, pytest.raises(ock.CheckpointIOError, match=r"step 2 .* 3 attempts.*Nothing was"):
     _restore(ck)
-  assert flaky.calls == 3
+  assert calls == [3]
   assert ck.all_steps() == [1, 2] and not (root / ock.CORRUPT_SUBDIR).exists()
 
 
