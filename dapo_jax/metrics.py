@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import json
 import logging
 import math
@@ -30,6 +31,9 @@ import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+from etils import epath
+
+from dapo_jax import run_files
 
 _log = logging.getLogger(__name__)
 
@@ -45,38 +49,107 @@ def _to_float(name: str, value: Any) -> float:
   return float(arr.reshape(()))
 
 
-def _rewrite_jsonl(path: str, max_step: int | None) -> None:
-  """Drops lines with ``step > max_step`` and unreadable ones (a line cut by a crash)."""
-  if not os.path.exists(path):
-    return
+def _rewrite_jsonl(path: epath.Path, max_step: int | None) -> list[str]:
+  """Drops lines with ``step > max_step`` and unreadable ones (a line cut by a crash).
+
+  Returns the kept lines (each ending in a newline).
+  """
+  if not path.exists():
+    return []
   kept, bad, dropped, unterminated = [], 0, 0, False
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        step = int(json.loads(line)["step"])
-      except (ValueError, KeyError, TypeError):
-        bad += line.strip() != ""
-        continue
-      if max_step is not None and step > max_step:
-        dropped += 1
-        continue
-      unterminated = not line.endswith("\n")  # Appending would glue the next row onto it.
-      kept.append(line.rstrip("\n") + "\n")
+  # StringIO with newline="\n" splits at "\n" only, like iterating over a file did.
+  for line in io.StringIO(path.read_text(encoding="utf-8"), newline="\n"):
+    try:
+      step = int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+      bad += line.strip() != ""
+      continue
+    if max_step is not None and step > max_step:
+      dropped += 1
+      continue
+    unterminated = not line.endswith("\n")  # Appending would glue the next row onto it.
+    kept.append(line.rstrip("\n") + "\n")
   if bad or dropped or unterminated:
     if bad or dropped:
       _log.warning("%s: dropped %d line(s) after step %s and %d unreadable line(s).", path,
                    dropped, max_step, bad)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(kept)
-    os.replace(tmp, path)  # Atomic: a crash here leaves the old file, never a half one.
+    # Atomic: a crash here leaves the old file, never a half one.
+    run_files.write_text_atomic(path, "".join(kept))
+  return kept
+
+
+class _LineFile:
+  """An append-only text file. Local: a file opened for appending. Remote (``gs://``): objects
+  cannot be appended to, so the lines are kept and the whole object is uploaded at each flush
+  (each upload replaces it atomically)."""
+
+  def __init__(self, path: epath.Path, lines: list[str]):
+    self.path = path
+    self._lines: list[str] | None = None
+    self._file = None
+    self._dirty = False
+    if run_files.is_remote(path):
+      self._lines = list(lines)
+    else:
+      self._file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+  def write(self, text: str) -> None:
+    if self._file is not None:
+      self._file.write(text)
+    else:
+      self._lines.append(text)
+      self._dirty = True
+
+  def flush(self) -> None:
+    if self._file is not None:
+      self._file.flush()
+    elif self._dirty:
+      self.path.write_text("".join(self._lines), encoding="utf-8")
+      self._dirty = False
+
+  def close(self) -> None:
+    self.flush()
+    if self._file is not None:
+      self._file.close()
+
+
+class _EpathRecordFile:
+  """A TensorBoard event file written through epath: buffered, uploaded whole at each flush."""
+
+  def __init__(self, path: str):
+    self._path = epath.Path(path)
+    self._buf = io.BytesIO()
+    self._dirty = False
+
+  def write(self, data: bytes) -> None:
+    self._buf.write(data)
+    self._dirty = True
+
+  def flush(self) -> None:
+    if self._dirty:
+      self._path.write_bytes(self._buf.getvalue())
+      self._dirty = False
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _EpathRecordWriterFactory:
+  """tensorboardX's hook for URL schemes (its own ``gs://`` writer needs GCS credentials and a
+  project and reaches neither an emulator nor the rest of our stack's GCS client)."""
+
+  def open(self, path: str) -> _EpathRecordFile:
+    return _EpathRecordFile(path)
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
 
 
 class MetricsWriter:
   """Scalars and texts to TensorBoard and JSONL; only process 0 writes (``active``).
 
   Args:
-    workdir: the run directory (created).
+    workdir: the run directory (created): a local path or a URL (``gs://``), see `run_files`.
     tensorboard / jsonl: which sinks to write.
     resume_step: the step the run restarts from. Lines and events with a larger step, written
       before a crash, are dropped, so the resumed log has no duplicate steps. None: keep all.
@@ -88,25 +161,29 @@ class MetricsWriter:
     if active is None:
       import jax  # pylint: disable=g-import-not-at-top
       active = jax.process_index() == 0
-    self.workdir = os.fspath(workdir)
+    self.workdir = run_files.resolve(workdir)
     self.active = active
     self._pending: dict[str, Any] | None = None
     self._jsonl = self._texts = self._tb = None
     if not active:
       return
-    os.makedirs(self.workdir, exist_ok=True)
+    self.workdir.mkdir(parents=True, exist_ok=True)
     if jsonl:
-      for name in (METRICS_FILE, SAMPLES_FILE):
-        _rewrite_jsonl(os.path.join(self.workdir, name), resume_step)
-      self._jsonl = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
-      self._texts = open(os.path.join(self.workdir, SAMPLES_FILE), "a", encoding="utf-8")
+      self._jsonl, self._texts = (
+          _LineFile(self.workdir / name, _rewrite_jsonl(self.workdir / name, resume_step))
+          for name in (METRICS_FILE, SAMPLES_FILE))
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
+      tb_dir = os.fspath(self.workdir / TB_SUBDIR)
+      if run_files.is_remote(tb_dir):
+        record_writer.register_writer_factory(tb_dir.split("://")[0],
+                                              _EpathRecordWriterFactory())
       # purge_step makes TensorBoard hide the old run's events from that step on.
       purge = None if resume_step is None else resume_step + 1
       # tensorboardX names event files by the second and opens them with "wb": a unique suffix
       # keeps a restart within the same second from overwriting the previous run's events.
-      self._tb = SummaryWriter(os.path.join(self.workdir, TB_SUBDIR), purge_step=purge,
+      self._tb = SummaryWriter(tb_dir, purge_step=purge,
                                filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -171,18 +248,18 @@ class MetricsWriter:
     self._pending = None
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_jsonl(path: epath.PathLike) -> list[dict[str, Any]]:
   """Rows of ``metrics.jsonl`` by step (rows of one step merged); null becomes NaN."""
   rows: dict[int, dict[str, Any]] = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-        step = int(row["step"])
-      except (ValueError, KeyError, TypeError):
-        continue  # A line cut by a crash.
-      merged = rows.setdefault(step, {"step": step})
-      merged.update({k: math.nan if v is None else v for k, v in row.items() if k != "step"})
+  text = run_files.resolve(path).read_text(encoding="utf-8")
+  for line in io.StringIO(text, newline="\n"):
+    try:
+      row = json.loads(line)
+      step = int(row["step"])
+    except (ValueError, KeyError, TypeError):
+      continue  # A line cut by a crash.
+    merged = rows.setdefault(step, {"step": step})
+    merged.update({k: math.nan if v is None else v for k, v in row.items() if k != "step"})
   return [rows[s] for s in sorted(rows)]
 
 
@@ -266,7 +343,7 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
 )
 
 
-def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
+def plot_curves(jsonl_path: epath.PathLike, out_png: epath.PathLike,
                 panels: Sequence[str | Panel] | None = None, *, ncols: int = 3) -> list[str]:
   """A grid of learning curves from ``metrics.jsonl`` as a PNG; returns the panel titles drawn.
 
@@ -308,5 +385,8 @@ def plot_curves(jsonl_path: str | os.PathLike, out_png: str | os.PathLike,
   for ax in list(axes.flat)[len(drawn):]:
     ax.axis("off")
   fig.tight_layout()
-  fig.savefig(os.fspath(out_png), dpi=100)
+  out_png = run_files.resolve(out_png)
+  image = io.BytesIO()  # Drawn in memory: matplotlib cannot write to gs:// itself.
+  fig.savefig(image, format=out_png.suffix.lstrip(".") or "png", dpi=100)
+  run_files.write_bytes_atomic(out_png, image.getvalue())
   return [t for t, _ in drawn]

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh
 
+from dapo_jax import run_files
 from dapo_jax import sharding as shd
-from dapo_jax.checkpoints.hf import load_pretrained
+from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
 from dapo_jax.data.records import MathRecord
@@ -75,7 +76,7 @@ class RolloutWeights:
 def build_tokenizer(config: ml_collections.ConfigDict):
   kind, path = config.tokenizer.kind, config.tokenizer.path or config.model.checkpoint
   if kind == "char":
-    if path and os.path.exists(os.path.join(path, CharTokenizer.FILE_NAME)):
+    if path and (run_files.resolve(path) / CharTokenizer.FILE_NAME).exists():
       return CharTokenizer.load(path)
     return CharTokenizer()
   if kind in ("qwen2.5", "qwen2.5-math"):
@@ -95,7 +96,7 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> Qwen2Config:
   """The architecture: the checkpoint's config.json, else the preset plus overrides."""
   m = config.model
   if m.checkpoint:
-    return Qwen2Config.from_hf(os.path.expanduser(m.checkpoint), **_runtime(config))
+    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **_runtime(config))
   overrides = dict(m.overrides.to_dict()) if m.overrides else {}
   overrides.setdefault("vocab_size", max(tokenizer.vocab_size, get_preset(m.preset).vocab_size)
                        if config.tokenizer.kind != "char" else tokenizer.vocab_size)

@@ -9,9 +9,7 @@ last checkpoint left off (same data order, same random keys).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import threading
 from typing import Any
@@ -26,13 +24,14 @@ from dapo_jax import config as config_lib
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
 from dapo_jax import experience as exp
+from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sft
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSampler,
                                        DynamicSamplingError)
-from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves, read_jsonl
+from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
@@ -112,10 +111,7 @@ def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
   config_lib.validate(config)
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL
 
   mesh = run_setup.build_mesh(config)
   tokenizer = run_setup.build_tokenizer(config)
@@ -149,7 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                             num_epochs=config.data.num_epochs or None,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
-  ckpt = TrainCheckpointer(os.path.join(workdir, "checkpoints"),
+  ckpt = TrainCheckpointer(workdir / "checkpoints",
                            max_to_keep=config.checkpoint.max_to_keep,
                            async_save=config.checkpoint.async_save)
   base_key = jax.random.key(config.seed)
@@ -318,16 +314,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.write_scalars(config.num_steps, final)
     result.update(final)
   writer.close()
-  plot_curves(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "curves.png"))
-  with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
-    json.dump(result, f, indent=2)
+  rows = run_files.write_final_files(workdir, result)  # curves.png, final_metrics.json
   scorer.close()
-  evals = [r[evaluator.headline] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-           if r.get(evaluator.headline) is not None]
+  evals = [r[evaluator.headline] for r in rows if r.get(evaluator.headline) is not None]
   if evals:
     _log.info("Held-out %s: %.3f at the start of RL -> %.3f after %d steps. Curves: %s",
               evaluator.headline, evals[0], evals[-1], config.num_steps,
-              os.path.join(workdir, "curves.png"))
+              workdir / "curves.png")
   return result
 
 

@@ -11,17 +11,20 @@ import json
 import logging
 import math
 import os
-import shutil
+import struct
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save, save_file
 
+from dapo_jax import run_files
 from dapo_jax import sharding as shd
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.init import abstract_model
@@ -79,21 +82,62 @@ def _to_hf(path: tuple[Any, ...], w: np.ndarray) -> np.ndarray:
   return w
 
 
-def _weight_map(path: str) -> dict[str, str]:
+# safetensors dtype names -> numpy (little-endian, as the format stores them).
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+              "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4",
+              "U16": "<u2", "U8": "u1", "BOOL": "?"}
+
+
+class _RemoteSafetensors:
+  """A safetensors file on ``gs://`` (any epath URL), read with ranged reads: the header once,
+  then each tensor's bytes on request, so the host holds one tensor at a time, as with the
+  memory map `safe_open` uses for local files."""
+
+  def __init__(self, path: epath.Path):
+    self._file = path.open("rb")
+    (n,) = struct.unpack("<Q", self._file.read(8))
+    self._header = json.loads(self._file.read(n))
+    self._header.pop("__metadata__", None)
+    self._base = 8 + n
+
+  def keys(self) -> list[str]:
+    return list(self._header)
+
+  def get_tensor(self, name: str) -> np.ndarray:
+    info = self._header[name]
+    start, end = info["data_offsets"]
+    self._file.seek(self._base + start)
+    data = self._file.read(end - start)
+    return np.frombuffer(data, dtype=_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _open_safetensors(file: epath.Path) -> Any:
+  if run_files.is_remote(file):
+    return _RemoteSafetensors(file)
+  return safe_open(os.fspath(file), framework="numpy")
+
+
+def _weight_map(path: epath.Path) -> dict[str, epath.Path]:
   """Tensor name -> safetensors file, for single-file and sharded checkpoints."""
-  index = os.path.join(path, INDEX_FILE)
-  if os.path.exists(index):
-    with open(index) as f:
-      mapping = json.load(f)["weight_map"]
-    missing = sorted({v for v in mapping.values() if not os.path.exists(os.path.join(path, v))})
+  index = path / INDEX_FILE
+  if index.exists():
+    mapping = json.loads(index.read_text())["weight_map"]
+    missing = sorted({v for v in mapping.values() if not (path / v).exists()})
     if missing:
       raise CheckpointError(f"{index} lists shard files that are missing: {missing}.")
-    return {k: os.path.join(path, v) for k, v in mapping.items()}
-  single = os.path.join(path, SINGLE_FILE)
-  if os.path.exists(single):
-    with safe_open(single, framework="numpy") as f:
-      return {k: single for k in f.keys()}
-  present = sorted(os.listdir(path))
+    return {k: path / v for k, v in mapping.items()}
+  single = path / SINGLE_FILE
+  if single.exists():
+    handle = _open_safetensors(single)
+    keys = list(handle.keys())
+    if isinstance(handle, _RemoteSafetensors):
+      handle.close()
+    return {k: single for k in keys}
+  present = sorted(p.name for p in path.iterdir())
   hint = (" Only safetensors are loaded (pickle files are never read); convert with "
           "`transformers` save_pretrained(safe_serialization=True)."
           if any(p.endswith((".bin", ".pt", ".pth")) for p in present) else "")
@@ -103,18 +147,29 @@ def _weight_map(path: str) -> dict[str, str]:
 class _Reader:
   """Opens each safetensors file once and reads tensors by name."""
 
-  def __init__(self, weight_map: dict[str, str]):
+  def __init__(self, weight_map: dict[str, epath.Path]):
     self.weight_map = weight_map
-    self._handles: dict[str, Any] = {}
+    self._handles: dict[epath.Path, Any] = {}
 
   def get(self, name: str) -> np.ndarray:
     file = self.weight_map[name]
     if file not in self._handles:
-      self._handles[file] = safe_open(file, framework="numpy")
+      self._handles[file] = _open_safetensors(file)
     return self._handles[file].get_tensor(name)
 
   def close(self):
+    for handle in self._handles.values():
+      if isinstance(handle, _RemoteSafetensors):
+        handle.close()
     self._handles.clear()
+
+
+def read_hf_config(path: epath.PathLike) -> dict[str, Any]:
+  """A checkpoint directory's ``config.json`` (local or ``gs://``) as a dict."""
+  file = run_files.resolve(path) / "config.json"
+  if not file.exists():
+    raise FileNotFoundError(f"No config.json at {file}: is this a Hugging Face checkpoint?")
+  return json.loads(file.read_text())
 
 
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mesh | None = None,
@@ -123,20 +178,20 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mes
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or sharded files plus
-      ``model.safetensors.index.json``).
+      ``model.safetensors.index.json``); a local path or a URL (``gs://bucket/model``).
     dtype: parameter (and compute) dtype, e.g. "float32" or "bfloat16"; default float32.
     mesh: when given, each tensor is placed straight into its sharded layout under ``rules``.
     rules: logical-axis rules (``dapo_jax.sharding.TRAIN_RULES`` or ``SAMPLE_RULES``).
     **config_overrides: run-time fields of ``Qwen2Config`` (``remat``, ``attention_impl``, ...).
   """
-  path = os.fspath(path)
-  if not os.path.isdir(path):
+  path = run_files.resolve(path)
+  if not path.is_dir():
     raise FileNotFoundError(f"Checkpoint directory {path} does not exist.")
   overrides = dict(config_overrides)
   if dtype is not None:
     overrides.setdefault("param_dtype", dtype)
     overrides.setdefault("dtype", dtype)
-  config = Qwen2Config.from_hf(path, **overrides)
+  config = Qwen2Config.from_hf(read_hf_config(path), **overrides)
   graphdef, abstract_state = nnx.split(abstract_model(config))
   shardings = (shd.state_shardings(abstract_state, mesh, rules) if mesh is not None else None)
   reader = _Reader(_weight_map(path))
@@ -191,18 +246,19 @@ def iter_hf_tensors(model: Qwen2ForCausalLM, dtype: str | None = None
     yield hf_name(p), _to_hf(p, w)
 
 
-def save_pretrained(model: Qwen2ForCausalLM, out_dir: str | os.PathLike, *,
+def save_pretrained(model: Qwen2ForCausalLM, out_dir: epath.PathLike, *,
                     dtype: str | None = None, max_shard_bytes: int = 2 << 30,
-                    tokenizer_dir: str | os.PathLike | None = None) -> str:
+                    tokenizer_dir: epath.PathLike | None = None) -> epath.Path:
   """Exports ``model`` as a HF checkpoint that ``transformers`` (and vLLM, SGLang...) load.
 
   Tensors are gathered one at a time and written in shards of at most ``max_shard_bytes``; only
-  process 0 writes. Tokenizer files found in ``tokenizer_dir`` are copied alongside.
+  process 0 writes. Tokenizer files found in ``tokenizer_dir`` are copied alongside. Either
+  directory may be a local path or a URL (``gs://``).
   """
-  out_dir = os.fspath(out_dir)
+  out_dir = run_files.resolve(out_dir)
   write = jax.process_index() == 0
   if write:
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
   config = model.config
   out_dtype = dtype or config.param_dtype
   shards: list[dict[str, np.ndarray]] = [{}]
@@ -213,9 +269,12 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: str | os.PathLike, *,
     nonlocal size
     if shards[-1]:
       files.append(f"part-{len(files):05d}")
-      if write:
-        save_file(shards[-1], os.path.join(out_dir, files[-1] + ".tmp"),
-                  metadata={"format": "pt"})
+      if write:  # Written now, named once the number of shards is known.
+        tmp = out_dir / (files[-1] + ".tmp")
+        if run_files.is_remote(tmp):
+          tmp.write_bytes(save(shards[-1], metadata={"format": "pt"}))
+        else:
+          save_file(shards[-1], os.fspath(tmp), metadata={"format": "pt"})
       shards[-1] = {}
       size = 0
 
@@ -234,17 +293,16 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: str | os.PathLike, *,
     names = ([SINGLE_FILE] if n == 1 else
              [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     for tmp, final in zip(files, names):
-      os.replace(os.path.join(out_dir, tmp + ".tmp"), os.path.join(out_dir, final))
+      (out_dir / (tmp + ".tmp")).replace(out_dir / final)
     if n > 1:
       index = {"metadata": {"total_size": total},
                "weight_map": {k: names[v] for k, v in weight_map.items()}}
-      with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-      json.dump(config.to_hf(out_dtype), f, indent=2)
+      run_files.write_text_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2))
+    run_files.write_text_atomic(out_dir / "config.json",
+                                json.dumps(config.to_hf(out_dtype), indent=2))
     if tokenizer_dir is not None:
       for fname in TOKENIZER_FILES:
-        src = os.path.join(os.fspath(tokenizer_dir), fname)
-        if os.path.exists(src):
-          shutil.copy(src, os.path.join(out_dir, fname))
+        src = run_files.resolve(tokenizer_dir) / fname
+        if src.exists():
+          run_files.write_bytes_atomic(out_dir / fname, src.read_bytes())
   return out_dir

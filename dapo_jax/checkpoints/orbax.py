@@ -17,6 +17,12 @@ What this adds to ``ocp.CheckpointManager`` so a week-long run does not lose wor
   * A finished step that no longer reads back (truncated, emptied or bit-flipped files) is moved to
     ``<directory>/corrupt/`` with a warning and the previous step is restored instead. Bit flips
     read back without error from tensorstore, hence the fingerprint.
+  * An I/O error (storage unreachable, a reset connection, a tensorstore UNAVAILABLE) is not
+    damage: the read is retried with backoff, then `CheckpointIOError` is raised; a good step is
+    never skipped or moved because the bucket was briefly unreachable (`is_io_error`).
+  * Every process lists the same steps and resumes the same one: the outcome of each read is
+    agreed by all processes (a host that sees other checkpoints, e.g. a workdir on local disk of
+    a multi-host job, raises instead of mixing shards).
   * Saving at or below an existing step raises, where Orbax would silently skip the save.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import zlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -169,43 +176,160 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _read_step(mgr: ocp.CheckpointManager, step: int, abstract_params: Any,
-               abstract_opt_state: Any) -> Restored:
+def _read_step(directory: epath.Path, step: int, abstract_params: Any,
+               abstract_opt_state: Any) -> dict[str, Any]:
+  """The raw items of ``step``; per process (each reads its own shards), no collective.
+
+  Read with Orbax's item handlers, not ``CheckpointManager.restore``: that one ends with a
+  barrier of all processes, which a process whose read failed never reaches (the others would
+  wait there until the barrier times out). The processes meet in `_read_agreed` instead.
+  """
+  handlers = {"params": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   args = {"params": ocp.args.StandardRestore(_abstract(abstract_params)),
           "meta": ocp.args.JsonRestore()}
   if abstract_opt_state is not None:
+    handlers["opt_state"] = ocp.StandardCheckpointHandler()
     args["opt_state"] = ocp.args.StandardRestore(_abstract(abstract_opt_state))
-  has_integrity = (epath.Path(mgr.directory) / str(step) / "integrity").exists()
-  if has_integrity:
+  step_dir = epath.Path(directory) / str(step)
+  if (step_dir / "integrity").exists():
+    handlers["integrity"] = ocp.JsonCheckpointHandler()
     args["integrity"] = ocp.args.JsonRestore()
-  out = mgr.restore(step, args=ocp.args.Composite(**args))
-  integrity = out["integrity"] if has_integrity else {}
+  handler = ocp.CompositeCheckpointHandler(**handlers)
+  try:
+    return dict(handler.restore(step_dir, args=ocp.args.Composite(**args)))
+  finally:
+    handler.close()
+
+
+def _checked(out: dict[str, Any]) -> Restored:
+  """`Restored` from raw items once the fingerprints match (a collective on sharded arrays)."""
+  integrity = out.get("integrity") or {}
   _verify("params", out["params"], integrity.get("params"))
-  opt_state = out["opt_state"] if abstract_opt_state is not None else None
+  opt_state = out.get("opt_state")
   if opt_state is not None:
     _verify("opt_state", opt_state, integrity.get("opt_state"))
   return Restored(out["params"], opt_state, dict(out["meta"]))
 
 
-def _restore(mgr: ocp.CheckpointManager, step: int | None,
-             read: Callable[[int], Restored],
-             on_skipped: Callable[[list[int]], None]) -> Restored | None:
-  """``step``, or the newest step that reads back; ``on_skipped`` gets the newer unreadable ones."""
+# tensorstore raises ValueError("<STATUS>: ...") with the absl status of the failed operation.
+_IO_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
+                "UNKNOWN", "CANCELLED", "PERMISSION_DENIED", "UNAUTHENTICATED")
+# HTTP and GCS client libraries (gcsfs on aiohttp, google-cloud-storage on requests).
+_IO_MODULES = ("aiohttp", "google.api_core", "google.auth", "requests", "urllib3", "http.client")
+
+
+def is_io_error(e: BaseException) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is an I/O failure, not damaged files.
+
+  I/O: an `OSError` other than a missing file (connection reset, timeout, permission), an
+  HTTP/GCS client error, a tensorstore status such as UNAVAILABLE. Damage: anything else that a
+  read of a committed step raises (a missing or truncated file, bad JSON, OUT_OF_RANGE,
+  DATA_LOSS, a fingerprint mismatch), and a target of another shape.
+  """
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, CorruptCheckpointError):
+      return False
+    if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, IsADirectoryError,
+                                                      NotADirectoryError)):
+      return True
+    if type(e).__module__.startswith(_IO_MODULES):
+      return True
+    if str(e).lstrip().startswith(tuple(s + ":" for s in _IO_STATUSES)):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+class CheckpointIOError(OSError):
+  """Reading a checkpoint kept failing with I/O errors; no step was skipped or moved."""
+
+
+_OK, _DAMAGED, _IO = 0, 1, 2
+
+
+def _allgather_ints(values: list[int]) -> np.ndarray:
+  """``values`` of every process, shape [processes, len(values)]; no collective on one process."""
+  local = np.asarray(values, np.int32)
+  if jax.process_count() == 1:
+    return local[None]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), -1)
+
+
+def _agreed_steps(mgr: ocp.CheckpointManager) -> list[int]:
+  """The checkpoint steps; raises unless every process lists the same ones."""
   steps = sorted(mgr.all_steps())
+  seen = _allgather_ints([len(steps), steps[-1] if steps else -1,
+                          zlib.crc32(repr(steps).encode()) & 0x7FFFFFFF])
+  if (seen != seen[0]).any():
+    raise RuntimeError(
+        f"The processes see different checkpoints in {mgr.directory} (per process [count, "
+        f"newest step]: {seen[:, :2].tolist()}). Every host must read and write the same "
+        f"checkpoint directory: put --workdir on shared storage (gs://bucket/run), not on each "
+        f"host's local disk.")
+  return steps
+
+
+def _read_agreed(directory: Any, step: int, read: Callable[[int], dict[str, Any]],
+                 retries: int, backoff_s: float) -> Restored | Exception:
+  """``step`` read on every process in lockstep: `Restored`, or the damage that stops it.
+
+  Each process reads its own shards, then all agree on the outcome: any I/O error means a
+  retry (with backoff) on every process, and past ``retries`` a loud `CheckpointIOError`; any
+  damage means every process gives the step up. So no process resumes from another step.
+  """
+  for attempt in range(retries + 1):
+    raw, err = None, None
+    try:
+      raw = read(step)
+      code = _OK
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax/tensorstore raise plain ValueError/Exception for unreadable files.
+      err, code = e, (_IO if is_io_error(e) else _DAMAGED)
+    code = int(_allgather_ints([code]).max())
+    if code == _OK:
+      try:
+        return _checked(raw)
+      except CorruptCheckpointError as e:
+        return e
+    if code == _DAMAGED:
+      return err or CorruptCheckpointError("another process could not read its shards")
+    if attempt < retries:
+      delay = backoff_s * 2 ** attempt
+      _log.warning("Checkpoint step %d in %s: I/O error (%s); retry %d/%d in %.1f s.", step,
+                   directory, "on another process" if err is None else
+                   f"{type(err).__name__}: {_short(err)}", attempt + 1, retries, delay)
+      time.sleep(delay)
+  what = "on another process" if err is None else f"{type(err).__name__}: {_short(err)}"
+  raise CheckpointIOError(
+      f"Checkpoint step {step} in {directory} could not be read after {retries + 1} attempts "
+      f"(I/O error {what}). Nothing was skipped or moved: check that the storage is reachable "
+      f"and readable (credentials, network), then relaunch.") from err
+
+
+def _restore(mgr: ocp.CheckpointManager, step: int | None,
+             read: Callable[[int], dict[str, Any]],
+             on_skipped: Callable[[list[int]], None], *, retries: int = 0,
+             backoff_s: float = 1.0) -> Restored | None:
+  """``step``, or the newest step that reads back; ``on_skipped`` gets the newer damaged ones."""
+  steps = _agreed_steps(mgr)
   if step is not None:
     if step not in steps:
       raise CheckpointNotFoundError(
           f"No checkpoint for step {step} in {mgr.directory}; available steps: {steps}.")
-    return read(step)  # The caller asked for this exact step: no fall-back.
+    out = _read_agreed(mgr.directory, step, read, retries, backoff_s)
+    if isinstance(out, Exception):
+      raise out  # The caller asked for this exact step: no fall-back.
+    return out
   failures: list[tuple[int, Exception]] = []
   for s in reversed(steps):
-    try:
-      restored = read(s)
-    except Exception as e:  # pylint: disable=broad-except
-      # Orbax/tensorstore raise plain ValueError/Exception for unreadable files.
+    restored = _read_agreed(mgr.directory, s, read, retries, backoff_s)
+    if isinstance(restored, Exception):
       _log.warning("Checkpoint step %d in %s cannot be restored (%s: %s); trying the previous "
-                   "step.", s, mgr.directory, type(e).__name__, _short(e))
-      failures.append((s, e))
+                   "step.", s, mgr.directory, type(restored).__name__, _short(restored))
+      failures.append((s, restored))
       continue
     if failures:
       _log.warning("Restored step %d instead of the newer unreadable step(s) %s.", s,
@@ -239,11 +363,14 @@ class TrainCheckpointer:
     max_to_keep: newest complete steps kept on disk (None: all).
     async_save: `save` returns once arrays are copied to host; files are written in the
       background (so the caller may donate or overwrite the device buffers right after).
+    read_retries / retry_backoff_s: a restore that hits I/O errors retries this many times,
+      waiting ``retry_backoff_s * 2**attempt`` before each retry, then raises.
   """
 
   def __init__(self, directory: str | epath.PathLike, *, max_to_keep: int | None = 3,
-               async_save: bool = True):
+               async_save: bool = True, read_retries: int = 4, retry_backoff_s: float = 2.0):
     self.directory = epath.Path(directory)
+    self._retries, self._backoff_s = read_retries, retry_backoff_s
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
@@ -293,15 +420,15 @@ class TrainCheckpointer:
     output plus the shardings) or of live arrays (their layout is used); a leaf without a sharding
     goes to the first device. ``abstract_opt_state=None`` skips the optimizer state.
 
-    Returns None when the directory holds no checkpoint. With ``step=None`` an unreadable newest
+    Returns None when the directory holds no checkpoint. With ``step=None`` a damaged newest
     step is moved to ``<directory>/corrupt/`` and the previous one restored (with a warning).
     Raises `CheckpointNotFoundError` for a missing ``step``, `CorruptCheckpointError` when nothing
-    reads back.
+    reads back, `CheckpointIOError` when I/O errors outlast the retries.
     """
     self._mgr.wait_until_finished()
     return _restore(self._mgr, step,
-                    lambda s: _read_step(self._mgr, s, abstract_params, abstract_opt_state),
-                    self._quarantine)
+                    lambda s: _read_step(self.directory, s, abstract_params, abstract_opt_state),
+                    self._quarantine, retries=self._retries, backoff_s=self._backoff_s)
 
   def latest_step(self) -> int | None:
     """The newest complete step (None: none); finished async saves included."""
@@ -331,6 +458,10 @@ class TrainCheckpointer:
     if jax.process_index() == 0:
       dest_root = self.directory / CORRUPT_SUBDIR
       dest_root.mkdir(parents=True, exist_ok=True)
+      if "://" in str(dest_root) and not dest_root.exists():
+        # Object stores have no empty directories, and epath renames only into an existing one.
+        (dest_root / "README.txt").write_text(
+            "Checkpoint steps that failed to read back, moved here by dapo_jax.\n")
       for s in steps:
         dest = dest_root / f"{s}-{int(time.time())}"
         (self.directory / str(s)).rename(dest)
@@ -343,7 +474,8 @@ class TrainCheckpointer:
 
 
 def load_params_only(directory: str | epath.PathLike, step: int | None = None, *,
-                     abstract_params: Any) -> Any:
+                     abstract_params: Any, read_retries: int = 4,
+                     retry_backoff_s: float = 2.0) -> Any:
   """Params of ``step`` (default: the newest readable one) for evaluation or serving.
 
   Read-only: never deletes or moves anything, so it is safe next to a running trainer.
@@ -356,8 +488,8 @@ def load_params_only(directory: str | epath.PathLike, step: int | None = None, *
                                          enable_async_checkpointing=False)
   mgr = ocp.CheckpointManager(directory, options=options)
   try:
-    restored = _restore(mgr, step, lambda s: _read_step(mgr, s, abstract_params, None),
-                        lambda _: None)
+    restored = _restore(mgr, step, lambda s: _read_step(directory, s, abstract_params, None),
+                        lambda _: None, retries=read_retries, backoff_s=retry_backoff_s)
   finally:
     mgr.close()
   if restored is None:

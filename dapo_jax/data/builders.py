@@ -25,6 +25,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from etils import epath
+
+from dapo_jax import run_files
 from dapo_jax.data.loaders import iter_records
 from dapo_jax.data.records import MathRecord
 
@@ -79,11 +82,15 @@ SPECS = {
 
 
 def find_manual_file(manual_dir: str | os.PathLike, filename: str) -> str:
-  """Returns `manual_dir/filename` or the same under `data/` or `eval/`; raises if absent."""
-  candidates = [os.path.join(os.fspath(manual_dir), sub, filename)
+  """Returns `manual_dir/filename` or the same under `data/` or `eval/`; raises if absent.
+
+  `manual_dir` may be a URL (``gs://``): the file is read through epath.
+  """
+  root = run_files.resolve(manual_dir)
+  candidates = [os.fspath(root / sub / filename) if sub else os.fspath(root / filename)
                 for sub in ("", "data", "eval")]
   for path in candidates:
-    if os.path.isfile(path):
+    if epath.Path(path).is_file():
       return path
   raise FileNotFoundError(f"{filename} not found in the manual directory; looked at "
                           f"{candidates}. See MANUAL_DOWNLOAD_INSTRUCTIONS of the builder.")
@@ -133,7 +140,6 @@ def builder_classes() -> dict[str, type]:
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from etils import epath  # pylint: disable=g-import-not-at-top
 
   @dataclasses.dataclass(eq=False)
   class DapoBuilderConfig(tfds.core.BuilderConfig):
@@ -231,7 +237,7 @@ class RecordSequence(Sequence):
 
 
 def _expand(path: str | os.PathLike | None) -> str | None:
-  return None if path is None else os.path.expanduser(os.fspath(path))
+  return None if path is None else os.fspath(run_files.resolve(path))
 
 
 def load_split(

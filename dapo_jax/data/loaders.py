@@ -1,4 +1,4 @@
-"""Plain parquet / JSONL loaders for datasets in the DAPO schema.
+"""Plain parquet / JSONL loaders for datasets in the DAPO schema (local paths or ``gs://``).
 
 For custom datasets and quick experiments; the official files also have TFDS
 builders (`builders.py`) for random-access reading at training time. Parquet is
@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from etils import epath
 
+from dapo_jax import run_files
 from dapo_jax.data.records import (REQUIRED_COLUMNS, DataFormatError, MalformedRowError,
                                    MathRecord, parse_row)
 
@@ -36,19 +38,21 @@ class LoadStats:
   malformed_messages: list[str] = dataclasses.field(default_factory=list)
 
 
-def _check_path(path: str | os.PathLike) -> str:
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"Dataset file not found: {path!r}. Check the path (and that the "
-                            "file was downloaded; see dapo_jax/data/builders.py for sources).")
-  if os.path.isdir(path):
-    raise IsADirectoryError(f"Expected a dataset file, got the directory {path!r}.")
+def _check_path(path: str | os.PathLike) -> epath.Path:
+  """The file as an `epath.Path`: a local path (``~`` expanded) or a URL such as ``gs://``."""
+  path = run_files.resolve(path)
+  if not path.exists():
+    raise FileNotFoundError(f"Dataset file not found: {str(path)!r}. Check the path (and that "
+                            "the file was downloaded; see dapo_jax/data/builders.py for sources).")
+  if path.is_dir():
+    raise IsADirectoryError(f"Expected a dataset file, got the directory {str(path)!r}.")
   return path
 
 
-def _iter_parquet(path: str, batch_size: int = 4096) -> Iterator[tuple[Any, int | None]]:
+def _iter_parquet(path: epath.Path, batch_size: int = 4096) -> Iterator[tuple[Any, int | None]]:
   try:
-    file = pq.ParquetFile(path)
+    # A remote file is read through a seekable file object (ranged reads, batch by batch).
+    file = pq.ParquetFile(path.open("rb") if run_files.is_remote(path) else os.fspath(path))
   except (pa.ArrowInvalid, OSError) as e:
     raise DataFormatError(f"{path}: not a readable parquet file ({e})") from e
   names = set(file.schema_arrow.names)
@@ -62,8 +66,8 @@ def _iter_parquet(path: str, batch_size: int = 4096) -> Iterator[tuple[Any, int 
       yield row, None
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[Any, int | None]]:
-  with open(path, encoding="utf-8") as f:
+def _iter_jsonl(path: epath.Path) -> Iterator[tuple[Any, int | None]]:
+  with path.open("r", encoding="utf-8") as f:
     for line_number, line in enumerate(f, start=1):
       if not line.strip():
         continue  # blank lines (e.g. a trailing newline) are not rows
@@ -83,7 +87,7 @@ class _BadJson:
 def iter_rows(path: str | os.PathLike) -> Iterator[tuple[Any, int | None]]:
   """Yields `(raw_row, line_number_or_None)` for every row of a parquet / JSONL file."""
   path = _check_path(path)
-  lower = path.lower()
+  lower = path.name.lower()
   if lower.endswith(_PARQUET_SUFFIXES):
     return _iter_parquet(path)
   if lower.endswith(_JSONL_SUFFIXES):
@@ -162,15 +166,15 @@ def load_records(
 
 def write_rows(rows: Iterable[dict[str, Any]], path: str | os.PathLike) -> None:
   """Writes DAPO-schema rows to `.parquet` (pyarrow) or `.jsonl`, chosen by suffix."""
-  path = os.fspath(path)
+  path = run_files.resolve(path)
   rows = list(rows)
-  lower = path.lower()
+  lower = path.name.lower()
   if lower.endswith(_PARQUET_SUFFIXES):
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    with path.open("wb") as f:
+      pq.write_table(pa.Table.from_pylist(rows), f)
   elif lower.endswith(_JSONL_SUFFIXES):
-    with open(path, "w", encoding="utf-8") as f:
-      for row in rows:
-        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
+                    encoding="utf-8")
   else:
     raise ValueError(f"{path}: unknown file type; expected one of "
                      f"{_PARQUET_SUFFIXES + _JSONL_SUFFIXES}")

@@ -10,6 +10,8 @@ import pathlib
 import re
 from typing import Iterable
 
+from etils import epath
+
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers.tokenizer_base import Tokenizer
 
@@ -85,8 +87,8 @@ class CharTokenizer(Tokenizer):
 
   @classmethod
   def load(cls, path: str | os.PathLike[str]) -> "CharTokenizer":
-    """Reads a file written by `save` (or a directory holding FILE_NAME)."""
-    path = pathlib.Path(path)
+    """Reads a file written by `save` (or a directory holding FILE_NAME); gs:// works too."""
+    path = epath.Path(path)
     if path.is_dir():
       path = path / cls.FILE_NAME
     if not path.is_file():

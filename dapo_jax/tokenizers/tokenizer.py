@@ -14,9 +14,10 @@ section 7). transformers is not needed at run time; tests check parity with it.
 import json
 import logging
 import os
-import pathlib
 import unicodedata
 from typing import Any, Iterable, Mapping, Sequence
+
+from etils import epath
 
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers import qwen_vocab
@@ -35,12 +36,17 @@ PathLike = str | os.PathLike[str]
 _STOP_TOKENS = (qwen_vocab.IM_END, qwen_vocab.ENDOFTEXT)
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
+def _as_path(path: PathLike) -> epath.Path:
+  """A local path (``~`` expanded) or a URL such as ``gs://bucket/ckpt``, read through epath."""
+  p = epath.Path(path)
+  return p if "://" in os.fspath(p) else p.expanduser()
+
+
+def _read_json(path: epath.Path) -> dict[str, Any]:
   if not path.is_file():
     return {}
   try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is not valid JSON: {e}") from e
 
@@ -59,7 +65,7 @@ def _as_id_list(value: Any) -> list[int]:
   return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def _find_chat_template(directory: pathlib.Path, config: Mapping[str, Any]
+def _find_chat_template(directory: epath.Path, config: Mapping[str, Any]
                         ) -> str | dict[str, str] | None:
   """The checkpoint's chat template, looked up in HF's order of precedence."""
   jinja_file = directory / "chat_template.jinja"
@@ -87,14 +93,15 @@ class HFTokenizer(Tokenizer):
   def __init__(self, path: PathLike):
     import tokenizers  # pylint: disable=g-import-not-at-top
 
-    directory = pathlib.Path(path)
+    directory = _as_path(path)
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
       raise FileNotFoundError(
           f"{tokenizer_file} not found: HFTokenizer needs the checkpoint's "
           "tokenizer.json (or use load_tokenizer for the built-in fallback)")
     self.path = directory
-    self._tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    # From the text, so gs:// works too (from_file opens local paths only).
+    self._tok = tokenizers.Tokenizer.from_str(tokenizer_file.read_text(encoding="utf-8"))
     config = _read_json(directory / "tokenizer_config.json")
     generation = _read_json(directory / "generation_config.json")
     self.chat_template = _find_chat_template(directory, config)
@@ -254,7 +261,7 @@ def load_tokenizer(path: PathLike | None = None, *,
                      "'qwen2.5', 'qwen2.5-math', 'char' or None")
   missing = None
   if path is not None:
-    directory = pathlib.Path(path)
+    directory = _as_path(path)
     if directory.is_file():
       directory = directory.parent
     elif not directory.is_dir():
