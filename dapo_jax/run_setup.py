@@ -200,7 +200,6 @@ class Run:
   to_rollout: RolloutWeights  # trained params -> the rollout's copy, once per step
   train_config: TrainConfig
   graphdef: nnx.GraphDef
-  state: TrainState  # fresh (before any restore), committed
   step_fn: TrainStep
   logp_fn: LogProbForward
   iterator: PromptIterator  # this process's share of each generation batch
@@ -227,8 +226,9 @@ class Run:
     self.close()
 
 
-def build_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
-  """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``."""
+def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
+  """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``,
+  and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
   mesh = build_mesh(config)
   tokenizer = build_tokenizer(config)
   model = build_model(config, tokenizer, mesh)
@@ -272,9 +272,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
       train_batch_size=config.optim.train_batch_size,
       max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,
       keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup)
-  return Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
-             eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
-             train_config=tcfg, graphdef=graphdef, state=state,
-             step_fn=TrainStep(graphdef, tcfg, mesh),
-             logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
-             checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler)
+  run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
+            eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
+            train_config=tcfg, graphdef=graphdef,
+            step_fn=TrainStep(graphdef, tcfg, mesh),
+            logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
+            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler)
+  return run, state

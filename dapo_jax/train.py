@@ -101,11 +101,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = os.path.abspath(os.path.expanduser(workdir))
   _write_config(config, workdir)
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
-    run = teardown.enter_context(run_setup.build_run(config, workdir))
+    run, state = run_setup.build_run(config, workdir)
+    teardown.enter_context(run)
     evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
     evaluating = bool(run.eval_records and config.eval.every)
-    state, start_step, resumed = _restore(run)
+    state, start_step, resumed = _restore(run, state)
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
     writer = teardown.enter_context(
         MetricsWriter(workdir, resume_step=start_step if resumed else -1))
@@ -166,14 +167,14 @@ def rollout_keys(seed: int, step: int) -> Iterator[jax.Array]:
   return (jax.random.fold_in(base, gen) for gen in itertools.count(1))
 
 
-def _restore(run: run_setup.Run) -> tuple[TrainState, int, bool]:
+def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bool]:
   """The state, the first step to run and whether a checkpoint was found in the workdir."""
-  restored = run.checkpointer.restore(abstract_params=run.state.params,
-                                      abstract_opt_state=run.state.opt_state)
+  restored = run.checkpointer.restore(abstract_params=state.params,
+                                      abstract_opt_state=state.opt_state)
   if restored is None:
-    return run.state, 0, False
+    return state, 0, False
   params, opt_state, meta = restored
-  state = run.state.replace(params=params, opt_state=opt_state,
+  state = state.replace(params=params, opt_state=opt_state,
                             step=jnp.asarray(meta["update_step"], jnp.int32),
                             num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
   run.iterator.set_state(meta["iterator"])
