@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 
 from dapo_jax import distributed
 from dapo_jax import sharding as shd
-from dapo_jax.char_tokenizer import CharTokenizer
 from dapo_jax.checkpoints.hf import load_pretrained
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic
@@ -29,7 +28,7 @@ from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.weights import RolloutWeights
-from dapo_jax.tokenizer import load_tokenizer
+from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
 from dapo_jax.trajectories import ScoredGroup
 from dapo_jax.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
                                  init_train_state)
