@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import run_setup
-from dapo_jax.rollout.weights import RolloutWeights
 from dapo_jax import sharding as shd
 from dapo_jax.models import create_model, get_preset
+from dapo_jax.rollout.weights import RolloutWeights
 
 TRAIN_MESH = [("data", 1), ("fsdp", 4), ("tensor", 2)]
 ROLLOUT_MESHES = {"same_devices_sample_rules": TRAIN_MESH,
