@@ -9,14 +9,21 @@ single process each helper is the plain single-host operation (``device_put``/``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import Mesh, Sharding
+
+from dapo_jax import sharding as shd
+from dapo_jax.data.records import MathRecord
+
+if TYPE_CHECKING:
+  from dapo_jax.rewards.batch import RewardBatch
 
 _log = logging.getLogger(__name__)
 _ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
@@ -103,6 +110,35 @@ def global_to_host(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+def rows_on_device(x: np.ndarray, mesh: Mesh | None,
+                   rules: shd.Rules = shd.TRAIN_RULES) -> jax.Array:
+  """A batch-major host array (the same on every process) as the compiled step's input: rows
+  over the data axes; on several processes a global array each process fills with its rows."""
+  sharding = None if mesh is None else shd.batch_sharding(mesh, rules, x.ndim, x.shape[0])
+  return host_to_global(x, sharding)
+
+
+def global_rollout(rollout: Callable[..., Any], mesh: Mesh | None,
+                   rules: shd.Rules = shd.SAMPLE_RULES) -> Callable[..., Any]:
+  """A rollout callable ``(state, ids, mask, key, params, n)`` fed with host prompts that are
+  the same on every process: returns the same host ``RolloutBatch`` on every process.
+
+  Single process: ``rollout`` itself (the sampler places host prompts, the caller fetches).
+  """
+  if not is_multiprocess():
+    return rollout
+  if mesh is None:
+    raise ValueError("Several processes need a device mesh (config.mesh).")
+
+  def run(state, prompt_ids, prompt_mask, key, params, num_samples):
+    sharding = shd.batch_sharding(mesh, rules, 2, prompt_ids.shape[0])
+    out = rollout(state, host_to_global(prompt_ids, sharding),
+                  host_to_global(prompt_mask, sharding), key, params, num_samples)
+    return global_to_host(out)
+
+  return run
+
+
 # --- host values gathered from every process -----------------------------------------------------
 
 
@@ -130,6 +166,33 @@ def allgather_json(values: list[Any]) -> list[Any]:
   for start, n in zip(np.cumsum(sizes) - sizes, sizes):
     out.extend(json.loads(data[start:start + n].tobytes().decode()))
   return out
+
+
+def gather_records(records: Sequence[MathRecord]) -> list[MathRecord]:
+  """Every process's share of a generation batch, in process order (the global batch order)."""
+  if not is_multiprocess():
+    return list(records)
+  rows = allgather_json([dataclasses.asdict(r) for r in records])
+  return [MathRecord(**r) for r in rows]
+
+
+def global_batches(local_batches: Iterator[Sequence[MathRecord]]) -> Iterator[list[MathRecord]]:
+  """Each process's prompt iterator yields its own share; this yields the whole generation batch
+  (the same list on every process), one gather per batch actually drawn."""
+  for records in local_batches:
+    yield gather_records(records)
+
+
+def gather_rewards(mine: RewardBatch) -> RewardBatch:
+  """Every process's ``RewardBatch`` of its ``share`` of the responses, as one batch in process
+  order (verification is split between the processes, the filter reads all rewards)."""
+  if not is_multiprocess():
+    return mine
+  counts = allgather_rows(np.asarray([[mine.num_errors, mine.num_timeouts]], np.int64)).sum(0)
+  return dataclasses.replace(
+      mine, score=allgather_rows(mine.score), acc=allgather_rows(mine.acc),
+      pred=allgather_json(list(mine.pred)), overlong_penalty=allgather_rows(mine.overlong_penalty),
+      reward=allgather_rows(mine.reward), num_errors=int(counts[0]), num_timeouts=int(counts[1]))
 
 
 def share(num_rows: int) -> slice:

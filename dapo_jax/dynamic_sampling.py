@@ -19,16 +19,17 @@ STATE_VERSION = 1
 class Group:
   """One prompt's G scored responses.
 
+  A trainer subclasses it with what it needs later (tokens, lengths, log-probs) and overrides
+  `to_json`/`from_json` so the carried surplus checkpoints as JSON.
+
   Attributes:
     prompt: the prompt as the data pipeline gave it (e.g. a dataset row).
     acc: [G] bool correctness; filtering uses this, never the shaped reward.
     reward: [G] float32 shaped reward (score + overlong penalty, spec 2).
-    payload: anything the trainer needs later (tokens, lengths, log-probs).
   """
   prompt: Any
   acc: np.ndarray
   reward: np.ndarray
-  payload: Any = None
 
   def __post_init__(self):
     self.acc = np.asarray(self.acc, dtype=np.bool_).reshape(-1)
@@ -54,6 +55,16 @@ class Group:
   def is_valid(self) -> bool:
     """std(acc) > 0, or a single response (spec 5)."""
     return is_valid_acc(self.acc)
+
+  def to_json(self) -> dict[str, Any]:
+    """JSON values (the prompt as given: JSON-able prompts only)."""
+    return {"prompt": self.prompt, "acc": self.acc.tolist(),
+            "reward": self.reward.tolist()}
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> Group:
+    """The inverse of `to_json`."""
+    return cls(prompt=d["prompt"], acc=d["acc"], reward=d["reward"])
 
 
 def is_valid_acc(acc: np.ndarray) -> bool:
@@ -149,16 +160,18 @@ class DynamicSampler:
   """
 
   def __init__(self,
-               generate_fn: GenerateFn,
+               generate_fn: GenerateFn | None = None,
                *,
                train_batch_size: int,
                max_num_gen_batches: int = 0,
                keep_surplus: bool = False,
-               enable: bool = True):
+               enable: bool = True,
+               group_type: type[Group] = Group):
     """Configures the sampler.
 
     Args:
-      generate_fn: prompts -> one scored Group per prompt, in order.
+      generate_fn: prompts -> one scored Group per prompt, in order; None:
+        each `sample` call passes its own (e.g. bound to that step's weights).
       train_batch_size: groups per training step (paper: 512).
       max_num_gen_batches: stop with MaxGenBatchesExceededError after this
         many generation batches in one call; 0 = unlimited (paper: 10).
@@ -166,6 +179,7 @@ class DynamicSampler:
         call instead of discarding them (spec 5 option; off by default).
       enable: False disables filtering (naive GRPO): the first
         train_batch_size groups are taken whatever their accuracy.
+      group_type: the Group class whose `from_json` restores `state_dict()`.
     """
     if int(train_batch_size) < 1:
       raise ValueError(f"train_batch_size must be >= 1, got "
@@ -178,6 +192,7 @@ class DynamicSampler:
     self.max_num_gen_batches = int(max_num_gen_batches)
     self.keep_surplus = bool(keep_surplus)
     self.enable = bool(enable)
+    self.group_type = group_type
     self._carried: list[Group] = []
 
   @property
@@ -187,7 +202,8 @@ class DynamicSampler:
 
   def sample(self,
              gen_batch_iter: Iterator[list],
-             initial_groups: Sequence[Group] = ()
+             initial_groups: Sequence[Group] = (),
+             generate_fn: GenerateFn | None = None
              ) -> tuple[list[Group], SamplingStats]:
     """Generates until `train_batch_size` kept groups are gathered.
 
@@ -196,6 +212,7 @@ class DynamicSampler:
       initial_groups: groups to start from, before the carried surplus, e.g.
         `err.groups` of a DatasetExhaustedError to continue on a new epoch.
         They are not re-filtered.
+      generate_fn: this call's rollout (default: the one given at init).
 
     Returns:
       (exactly train_batch_size groups in generation order, stats).
@@ -204,6 +221,10 @@ class DynamicSampler:
       MaxGenBatchesExceededError, DatasetExhaustedError: both carry `.groups`
         (everything gathered, carried surplus included) and `.stats`.
     """
+    generate_fn = generate_fn or self.generate_fn
+    if generate_fn is None:
+      raise ValueError("DynamicSampler.sample needs a generate_fn: pass one at "
+                       "init or to sample().")
     stats = SamplingStats(carried_in_groups=len(self._carried))
     buffer = list(initial_groups) + self._carried
     self._carried = []
@@ -219,7 +240,7 @@ class DynamicSampler:
             buffer, stats) from None
       prompts = list(prompts)
       stats.num_gen_batches += 1
-      groups = list(self.generate_fn(prompts))
+      groups = list(generate_fn(prompts))
       if len(groups) != len(prompts):
         raise ValueError(f"generate_fn returned {len(groups)} groups for "
                          f"{len(prompts)} prompts; it must return one Group "
@@ -271,18 +292,14 @@ class DynamicSampler:
     self._carried = list(groups)
 
   def state_dict(self) -> dict[str, Any]:
-    """Checkpointable state: the carried surplus, as plain containers."""
-    return {
-        "version": STATE_VERSION,
-        "carried": [{"prompt": g.prompt, "acc": g.acc.copy(),
-                     "reward": g.reward.copy(), "payload": g.payload}
-                    for g in self._carried],
-    }
+    """Checkpointable state as JSON values: the carried surplus (`Group.to_json`)."""
+    return {"version": STATE_VERSION,
+            "carried": [g.to_json() for g in self._carried]}
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
-    """Restores `state_dict()` output."""
+    """Restores `state_dict()` output (`group_type.from_json` per group)."""
     version = state.get("version")
     if version != STATE_VERSION:
       raise ValueError(f"DynamicSampler state version {version!r} is not "
                        f"supported (expected {STATE_VERSION}).")
-    self._carried = [Group(**g) for g in state["carried"]]
+    self._carried = [self.group_type.from_json(g) for g in state["carried"]]

@@ -18,11 +18,10 @@ from typing import Any, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from dapo_jax import eval_metrics
-from dapo_jax import experience as exp
+from dapo_jax import generation
 from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax.data.records import MathRecord
@@ -36,14 +35,18 @@ def problem_id(record: MathRecord) -> str:
 
 
 class Evaluator:
-  """Samples ``eval.num_samples`` answers per row and scores them with the training verifier."""
+  """Samples ``eval.num_samples`` answers per row and scores them with the training verifier
+  (the training rollout's ``generate_and_score``, at the eval sampling settings)."""
 
   def __init__(self, config: ml_collections.ConfigDict, rollout, tokenizer, scorer,
                records: Sequence[MathRecord]):
-    self.config, self.rollout, self.tokenizer, self.scorer = config, rollout, tokenizer, scorer
+    self.config = config
     limit = config.eval.max_examples
     self.records = list(records[:limit] if limit else records)
     self.params = run_setup.sampling_params(config, tokenizer, eval_mode=True)
+    self.generator = generation.Generator(
+        rollout, tokenizer, scorer, self.params, num_samples=config.eval.num_samples,
+        max_prompt_length=config.data.max_prompt_length)
     self.headline = f"eval/avg@{config.eval.num_samples}"  # the number a run is judged by
     self.last_rows: list[dict[str, Any]] = []
     self.last_texts: list[str] = []
@@ -51,25 +54,16 @@ class Evaluator:
   def __call__(self, params_state, step: int = 0) -> dict[str, float]:
     if not self.records:
       return {}
-    c = self.config
-    bs, n = c.eval.batch_size, c.eval.num_samples
-    key = jax.random.fold_in(jax.random.key(c.seed + 7919), step)
+    bs, n = self.config.eval.batch_size, self.config.eval.num_samples
+    key = jax.random.fold_in(jax.random.key(self.config.seed + 7919), step)
     results, texts = [], []
     for start in range(0, len(self.records), bs):
-      recs = self.records[start:start + bs]
-      padded = recs + [recs[-1]] * (bs - len(recs))  # a fixed shape: one compiled program
-      ids, mask = exp.render_batch(padded, self.tokenizer, c.data.max_prompt_length)
-      out = jax.device_get(self.rollout(params_state, ids, mask, jax.random.fold_in(key, start),
-                                        self.params, n))
-      lengths = np.asarray(out.lengths)[:len(recs) * n]
-      decoded = exp.decode_responses(self.tokenizer, np.asarray(out.response_ids)[:len(recs) * n],
-                                     lengths, self.params.eos_ids)
-      gts = [r.ground_truth for r in recs for _ in range(n)]
-      rewards = self.scorer(decoded, gts, lengths)
-      for i, rec in enumerate(recs):
-        for j in range(n):
-          results.append((problem_id(rec), rewards.pred[i * n + j], bool(rewards.acc[i * n + j])))
-      texts.extend(decoded)
+      # Padded to a fixed shape: one compiled program.
+      out = self.generator(params_state, self.records[start:start + bs],
+                           jax.random.fold_in(key, start), pad_to=bs)
+      ids = [problem_id(rec) for rec in out.records for _ in range(n)]
+      results.extend(zip(ids, out.rewards.pred, (bool(a) for a in out.rewards.acc)))
+      texts.extend(out.texts)
     summary, rows = eval_metrics.summarize(results)
     self.last_rows, self.last_texts = rows, texts
     return {f"eval/{k}": float(v) for k, v in summary.items()}

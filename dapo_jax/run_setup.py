@@ -1,27 +1,38 @@
-"""Builds what a run needs from its config: mesh, tokenizer, model, datasets, step settings."""
+"""Builds what a run needs from its config: mesh, tokenizer, model, datasets, step settings,
+and ``build_run``'s bundle of all of them for the trainer."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import os
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
+from flax import nnx
 from jax.sharding import Mesh
 
+from dapo_jax import distributed
 from dapo_jax import run_files
 from dapo_jax import sharding as shd
 from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
+from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
+from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.data.records import MathRecord
-from dapo_jax.models import Qwen2Config, attention, cast_params, create_model, get_preset
+from dapo_jax.dynamic_sampling import DynamicSampler
+from dapo_jax.generation import Generator
+from dapo_jax.models import Qwen2Config, attention, create_model, get_preset
+from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.weights import RolloutWeights
 from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
-from dapo_jax.train_step import TrainConfig
+from dapo_jax.trajectories import ScoredGroup
+from dapo_jax.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
+                                 init_train_state)
 
 _log = logging.getLogger(__name__)
 TFDS_NAMES = ("dapo_math_17k", "aime_2024")
@@ -38,39 +49,13 @@ def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | Non
                        ) -> Mesh | None:
   """The rollout mesh: ``config.rollout_mesh`` over the same devices, else the training mesh.
 
-  Parameters move between the two layouts once per training step (``RolloutWeights``;
+  Parameters move between the two layouts once per training step (``rollout.weights``;
   ``sharding.reshard_cost`` gives the peak memory of that move).
   """
   axes = config.get("rollout_mesh") or []
   if train_mesh is None or not axes:
     return train_mesh
   return shd.make_mesh([tuple(a) for a in axes])
-
-
-class RolloutWeights:
-  """The policy as the rollout reads it: the trained params (fp32 master weights of a bf16
-  model) cast to the model's dtype, then moved to the rollout layout.
-
-  The cast happens first, on each device's training shard, so the move carries the model's
-  bytes, never the fp32 copy: this is the reshard ``dapo-plan`` compiles and prices. The trainer
-  makes one copy per step, shared by every rollout call (``rollout.prompts_per_call``) and
-  evaluation of that step, and drops it before the update.
-  """
-
-  def __init__(self, dtype: Any, mesh: Mesh | None):
-    self.dtype, self.mesh = dtype, mesh
-    self._fn = None
-
-  def __call__(self, params):
-    floats = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if self.mesh is None and all(x.dtype == self.dtype for x in floats):
-      return params  # one device, already the model's dtype: nothing to cast or move
-    if self._fn is None:
-      cast = functools.partial(cast_params, dtype=self.dtype)
-      out = (None if self.mesh is None else
-             shd.state_shardings(params, self.mesh, shd.SAMPLE_RULES))
-      self._fn = jax.jit(cast, out_shardings=out)
-    return self._fn(params)
 
 
 def build_tokenizer(config: ml_collections.ConfigDict):
@@ -194,3 +179,103 @@ def describe(config: ml_collections.ConfigDict, model: Any) -> str:
   n = model.config.num_params()
   return (f"model {config.model.checkpoint or config.model.preset}: {n / 1e6:.2f}M params, "
           f"{jax.device_count()} devices ({jax.default_backend()})")
+
+
+def commit(state: TrainState, mesh: Mesh | None) -> TrainState:
+  """On one device, arrays restored from a checkpoint are committed to it and fresh ones are
+  not, so jit would compile every program twice (a resumed run misses the persistent compile
+  cache); committing both makes them the same programs."""
+  return state if mesh is not None else jax.device_put(state, jax.devices()[0])
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything ``train_and_evaluate`` builds once from the config; ``close`` (or ``with``)
+  waits for the last checkpoint write and ends the verifier's workers."""
+  mesh: Mesh | None
+  tokenizer: Any
+  train_records: Sequence[MathRecord]
+  eval_records: Sequence[MathRecord]
+  rollout: Any  # (weights, ids, mask, key, SamplingParams, n) -> the same host RolloutBatch
+  to_rollout: RolloutWeights  # trained params -> the rollout's copy, once per step
+  train_config: TrainConfig
+  graphdef: nnx.GraphDef
+  step_fn: TrainStep
+  logp_fn: LogProbForward
+  iterator: PromptIterator  # this process's share of each generation batch
+  checkpointer: TrainCheckpointer
+  scorer: RewardScorer
+  generator: Generator  # the training rollout: generate_and_score at rollout.* settings
+  sampler: DynamicSampler
+
+  def fresh_optimizer(self, state: TrainState) -> TrainState:
+    """``state``'s weights with a new optimizer state (DAPO after the SFT warm start)."""
+    model = nnx.merge(self.graphdef, state.params, state.rest)
+    return commit(init_train_state(model, self.train_config, self.mesh)[1], self.mesh)
+
+  def close(self) -> None:
+    try:
+      self.checkpointer.close()
+    finally:
+      self.scorer.close()
+
+  def __enter__(self) -> Run:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
+  """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``,
+  and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
+  mesh = build_mesh(config)
+  tokenizer = build_tokenizer(config)
+  model = build_model(config, tokenizer, mesh)
+  _log.info(describe(config, model))
+  fallback = attention_fallback(config, model.config, jax.default_backend())
+  if fallback:
+    _log.warning(fallback)
+  train_records = load_dataset(config.data.train, config, "train")
+  eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
+  sampler_graphdef, _ = nnx.split(model)
+  if jax.process_count() > 1 and config.rollout.engine != "static":
+    raise ValueError(f"config.rollout.engine={config.rollout.engine!r} drives its slots from one "
+                     "host; on several processes use rollout.engine='static'.")
+  # On several processes: host prompts in, the same host RolloutBatch out on every process.
+  rollout_mesh = build_rollout_mesh(config, mesh)
+  rollout = distributed.global_rollout(
+      make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer), rollout_mesh)
+  to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
+  tcfg = train_config(config)
+  graphdef, state = init_train_state(model, tcfg, mesh)
+  state = commit(state, mesh)
+  del model
+  iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
+                            num_epochs=config.data.num_epochs or None,
+                            process_index=jax.process_index(),
+                            process_count=jax.process_count())
+  ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
+                           max_to_keep=config.checkpoint.max_to_keep,
+                           async_save=config.checkpoint.async_save)
+  r, a = config.reward, config.algorithm
+  scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
+                        overlong_buffer_len=r.overlong_buffer_len,
+                        overlong_penalty_factor=r.overlong_penalty_factor,
+                        overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
+                        num_workers=r.num_workers)
+  generator = Generator(rollout, tokenizer, scorer, sampling_params(config, tokenizer),
+                        num_samples=config.rollout.n,
+                        max_prompt_length=config.data.max_prompt_length,
+                        prompts_per_call=config.rollout.prompts_per_call)
+  sampler = DynamicSampler(
+      train_batch_size=config.optim.train_batch_size,
+      max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,
+      keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup)
+  run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
+            eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
+            train_config=tcfg, graphdef=graphdef,
+            step_fn=TrainStep(graphdef, tcfg, mesh),
+            logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
+            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler)
+  return run, state

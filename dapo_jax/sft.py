@@ -18,7 +18,7 @@ from flax import nnx
 from dapo_jax import run_setup
 from dapo_jax.data import arithmetic
 from dapo_jax.data.pipeline import PromptIterator
-from dapo_jax.experience import render_batch
+from dapo_jax.generation import render_batch
 from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
 
 _log = logging.getLogger(__name__)

@@ -9,32 +9,30 @@ last checkpoint left off (same data order, same random keys).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import signal
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from dapo_jax import config as config_lib
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
-from dapo_jax import experience as exp
 from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sft
-from dapo_jax.checkpoints.orbax import TrainCheckpointer
-from dapo_jax.data.pipeline import PromptIterator
-from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSampler,
-                                       DynamicSamplingError)
+from dapo_jax import trajectories as traj_lib
+from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSamplingError,
+                                       SamplingStats)
 from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer
-from dapo_jax.rewards.batch import RewardScorer
-from dapo_jax.rollout.factory import make_rollout
-from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
+from dapo_jax.train_step import TrainState
+from dapo_jax.trajectories import Trajectories
 
 _log = logging.getLogger(__name__)
 
@@ -79,6 +77,13 @@ class _StopRequest:
       signal.signal(sig, handler)
     self._previous.clear()
 
+  def __enter__(self) -> _StopRequest:
+    self.install()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.restore()
+
   def requested(self, step: int) -> bool:
     if jax.process_count() == 1:
       return self.signum is not None
@@ -89,239 +94,188 @@ class _StopRequest:
     return bool(np.any(flags))
 
 
-def _committed(state, mesh):
-  """On one device, arrays restored from a checkpoint are committed to it and fresh ones are
-  not, so jit would compile every program twice (a resumed run misses the persistent compile
-  cache); committing both makes them the same programs."""
-  return state if mesh is not None else jax.device_put(state, jax.devices()[0])
-
-
-def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
-                  rows_per_update: int, mesh):
-  """Host rows -> device mini-batches (global arrays on several processes)."""
-  dev = lambda x: exp.rows_on_device(x, mesh)
-  for s in range(0, traj.num_rows, rows_per_update):
-    sl = slice(s, s + rows_per_update)
-    yield TrainBatch(
-        input_ids=dev(traj.input_ids[sl]), attention_mask=dev(traj.attention_mask[sl]),
-        response_mask=dev(traj.response_mask[sl]), old_log_probs=dev(old_logp[sl]),
-        advantages=dev(adv[sl]), truncated=dev(traj.truncated[sl]))
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
   config_lib.validate(config)
-  workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL
-
-  mesh = run_setup.build_mesh(config)
-  tokenizer = run_setup.build_tokenizer(config)
-  model = run_setup.build_model(config, tokenizer, mesh)
-  _log.info(run_setup.describe(config, model))
-  fallback = run_setup.attention_fallback(config, model.config, jax.default_backend())
-  if fallback:
-    _log.warning(fallback)
-  train_records = run_setup.load_dataset(config.data.train, config, "train")
-  eval_records = (run_setup.load_dataset(config.data.eval, config, "eval")
-                  if config.data.eval else [])
-  sampler_graphdef, _ = nnx.split(model)
-  if jax.process_count() > 1 and config.rollout.engine != "static":
-    raise ValueError(f"config.rollout.engine={config.rollout.engine!r} drives its slots from one "
-                     "host; on several processes use rollout.engine='static'.")
-  # On several processes: host prompts in, the same host RolloutBatch out on every process.
-  rollout_mesh = run_setup.build_rollout_mesh(config, mesh)
-  rollout = exp.global_rollout(make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer),
-                               rollout_mesh)
-  # Once per step: the trained params in the model's dtype and the rollout layout.
-  to_rollout = run_setup.RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
-  rollout_weights = {"params": None}
-  tcfg = run_setup.train_config(config)
-  graphdef, state = init_train_state(model, tcfg, mesh)
-  state = _committed(state, mesh)
-  del model
-  step_fn = TrainStep(graphdef, tcfg, mesh)
-  logp_fn = LogProbForward(graphdef, tcfg, mesh, rest=state.rest)
-
-  iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
-                            num_epochs=config.data.num_epochs or None,
-                            process_index=jax.process_index(),
-                            process_count=jax.process_count())
-  ckpt = TrainCheckpointer(workdir / "checkpoints",
-                           max_to_keep=config.checkpoint.max_to_keep,
-                           async_save=config.checkpoint.async_save)
-  base_key = jax.random.key(config.seed)
-  # Rollout keys depend only on (seed, step, generation batch): a resumed run draws the same.
-  counter = {"step": 0, "gen": 0}
-
-  def key_fn():
-    counter["gen"] += 1
-    return jax.random.fold_in(jax.random.fold_in(base_key, 1 + counter["step"]), counter["gen"])
-
-  r = config.reward
-  scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
-                        overlong_buffer_len=r.overlong_buffer_len,
-                        overlong_penalty_factor=r.overlong_penalty_factor,
-                        overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
-                        num_workers=r.num_workers)
-  params = run_setup.sampling_params(config, tokenizer)
-  generate_fn = exp.make_generate_fn(
-      lambda ids, mask, key, n: rollout(rollout_weights["params"], ids, mask, key, params, n),
-      tokenizer,
-      scorer, num_samples=config.rollout.n, max_prompt_length=config.data.max_prompt_length,
-      eos_ids=params.eos_ids, key_fn=key_fn,
-      prompts_per_call=config.rollout.prompts_per_call)
-  sampler = DynamicSampler(
-      generate_fn, train_batch_size=config.optim.train_batch_size,
-      max_num_gen_batches=config.algorithm.max_num_gen_batches if
-      config.algorithm.dynamic_sampling else 0,
-      keep_surplus=config.algorithm.keep_surplus, enable=config.algorithm.dynamic_sampling)
-
-  start_step = 0
-  evaluator = eval_lib.Evaluator(config, rollout, tokenizer, scorer, eval_records)
-  restored = ckpt.restore(abstract_params=state.params, abstract_opt_state=state.opt_state)
-  result: dict[str, float] = {}
-  if restored is not None:
-    params_r, opt_r, meta = restored
-    state = state.replace(params=params_r, opt_state=opt_r,
-                          step=jnp.asarray(meta["update_step"], jnp.int32),
-                          num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
-    state = _committed(state, mesh)
-    iterator.set_state(meta["iterator"])
-    sampler.load_state_dict(exp.sampler_state_from_json(meta["sampler"]))
-    start_step = int(meta["step"])
-    _log.info("Resumed from %s at step %d.", ckpt.directory, start_step)
-  # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
-  writer = MetricsWriter(workdir, resume_step=start_step if restored is not None else -1)
-  if restored is None:
-    before: dict[str, float] = {}
-    if config.sft.steps:
-      state, before = sft.warm_start(config, graphdef, state, tokenizer, train_records, mesh)
-      # A fresh optimizer for DAPO on the warm-started weights.
-      state = _committed(
-          init_train_state(nnx.merge(graphdef, state.params, state.rest), tcfg, mesh)[1], mesh)
-    if eval_records and config.eval.every:
-      before.update(evaluator(to_rollout(state.params)))
-    if before:
-      writer.write_scalars(0, before)
-      result.update(before)
-
-  consecutive_skips = 0
-  stop = _StopRequest()
-  stop.install()
-  stopped_at = None
-  rows_per_update = config.optim.mini_batch_size * config.rollout.n
-  progress = ProgressBar(config.num_steps, initial=start_step, fields={
-      "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
-      "eval": evaluator.headline})
-  try:
+  workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL, config.json
+  with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
+    run, state = run_setup.build_run(config, workdir)
+    teardown.enter_context(run)
+    evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,
+                                   run.eval_records)
+    evaluating = bool(run.eval_records and config.eval.every)
+    state, start_step, resumed = _restore(run, state)
+    # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
+    writer = teardown.enter_context(
+        MetricsWriter(workdir, resume_step=start_step if resumed else -1))
+    result: dict[str, float] = {}
+    if not resumed:
+      state, result = _before_rl(config, run, state, evaluator if evaluating else None)
+      if result:
+        writer.write_scalars(0, result)
+    stop = teardown.enter_context(_StopRequest())
+    progress = ProgressBar(config.num_steps, initial=start_step, fields={
+        "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
+        "eval": evaluator.headline})
+    teardown.callback(progress.close)
+    consecutive_skips = 0
     for step in range(start_step, config.num_steps):
-      counter.update(step=step, gen=0)
       timer = Timer()
       with timer("rollout"):
-        rollout_weights["params"] = to_rollout(state.params)
-        try:
-          groups, ds_stats = sampler.sample(exp.global_batches(iterator))
-        except DynamicSamplingError as err:
-          raise _sampling_stopped(err, step, config, ckpt, state, iterator, sampler) from err
-        finally:
-          rollout_weights["params"] = None  # freed before the update (the plan's train phase)
-        traj = exp.groups_to_trajectories(groups)
-        # Every process must train on the same batch (the filter saw gathered rewards).
-        distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
-                                                 "The dynamic-sampling batch")
-        adv = exp.compute_advantages(traj, config.algorithm.norm_adv_by_std)
+        traj, ds_stats = _sample(config, run, state, step)
+        adv = traj_lib.compute_advantages(traj, config.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
-        if config.rollout.use_sampler_logprobs:
-          old_logp, entropy = traj.sampler_logprobs, None
-        else:
-          old_logp, entropy = distributed.global_to_host(logp_fn(
-              state.params, exp.rows_on_device(traj.input_ids, mesh),
-              exp.rows_on_device(traj.attention_mask, mesh), traj.response_len))
+        old_logp, entropy = _old_log_probs(config, run, state, traj)
       with timer("update"):
-        updates = []
-        for _ in range(config.optim.ppo_epochs):
-          for batch in _mini_batches(traj, adv, old_logp, rows_per_update, mesh):
-            state, m = step_fn(state, batch, step)
-            updates.append(m)
-        updates = jax.device_get(updates)
-        metrics = _mean_metrics(updates)
+        state, updates = _update(config, run, state, traj, adv, old_logp, step)
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-      metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
-      metrics.update(exp.rollout_metrics(
-          traj, max_response_length=config.rollout.max_response_length,
-          buffer_len=config.reward.overlong_buffer_len))
-      metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
-      if not config.rollout.use_sampler_logprobs:
-        # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
-        # update is silently off-policy (verl logs the same as rollout_probs_diff).
-        m = traj.response_mask
-        metrics["rollout/logprob_diff_max"] = float(
-            np.abs(np.where(m, traj.sampler_logprobs - old_logp, 0.0)).max())
-      if entropy is not None:
-        mask = traj.response_mask
-        metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
-      metrics["reward/verifier_errors"] = float(sum(g.payload["num_errors"] for g in groups))
-      metrics["reward/verifier_timeouts"] = float(sum(g.payload["num_timeouts"] for g in groups))
-      metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
-      total = sum(timer.totals.values())
-      metrics["time/step"] = total
-      metrics["perf/trained_tokens_per_s"] = float(traj.response_mask.sum()) / max(
-          timer.totals.get("update", 1e-9), 1e-9)
-      metrics["perf/rollout_tokens_per_s"] = float(
-          ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
-      if eval_records and config.eval.every and (step + 1) % config.eval.every == 0:
-        metrics.update(evaluator(to_rollout(state.params), step=step + 1))
-      writer.write_scalars(step + 1, metrics)
-      writer.write_texts(step + 1, {f"sample_{i}": f"{traj.prompts[i // config.rollout.n]!r} -> "
-                                    f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
-                                    for i in range(0, min(traj.num_rows, config.num_sample_texts
-                                                          * config.rollout.n), config.rollout.n)})
-      progress.update(step + 1, metrics)
-      writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
+      metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer)
+      if evaluating and (step + 1) % config.eval.every == 0:
+        metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
+      _log_step(config, writer, progress, step + 1, metrics, traj)
       result = metrics
       if consecutive_skips >= config.optim.max_consecutive_skips:
-        ckpt.close()
+        run.checkpointer.wait_until_finished()
         raise NonFiniteUpdatesError(
             f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
-            f"The last good checkpoint (step {ckpt.latest_step()}) is kept.")
+            f"The last good checkpoint (step {run.checkpointer.latest_step()}) is kept.")
       preempted = stop.requested(step + 1)
       if (preempted or (step + 1) % config.checkpoint.save_every == 0
           or step + 1 == config.num_steps):
-        ckpt.save(step + 1, state.params, state.opt_state,
-                  _meta(step + 1, state, iterator, sampler))
+        _save(run, step + 1, state)
       if preempted:
-        stopped_at = step + 1
         _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with the "
-                     "same --workdir to resume.", stopped_at, ckpt.directory)
-        break
-  except BaseException:
-    # Any failed exit (sampling stopped, non-finite updates, an exception from the rollout or
-    # the verifier, Ctrl-C) still ends the verifier processes and closes the metric files.
-    stop.restore()
-    progress.close()
-    writer.close()
-    scorer.close()
-    raise
-  stop.restore()
-  progress.close()
-  ckpt.close()
-  if stopped_at is not None:
-    writer.close()
-    scorer.close()
-    return {**result, "stopped_at_step": float(stopped_at)}
-  if eval_records and config.eval.every and not any(k.startswith("eval/") for k in result):
-    final = evaluator(to_rollout(state.params), step=config.num_steps)
-    writer.write_scalars(config.num_steps, final)
-    result.update(final)
-  writer.close()
-  rows = run_files.write_final_files(workdir, result)  # curves.png, final_metrics.json
-  scorer.close()
-  evals = [r[evaluator.headline] for r in rows if r.get(evaluator.headline) is not None]
+                     "same --workdir to resume.", step + 1, run.checkpointer.directory)
+        return {**result, "stopped_at_step": float(step + 1)}
+    if evaluating and not any(k.startswith("eval/") for k in result):
+      final = evaluator(run.to_rollout(state.params), step=config.num_steps)
+      writer.write_scalars(config.num_steps, final)
+      result.update(final)
+    writer.flush()
+    rows = run_files.write_final_files(workdir, result)  # curves.png, final_metrics.json
+    _log_held_out(config, workdir, evaluator.headline, rows)
+    return result
+
+
+def rollout_keys(seed: int, step: int) -> Iterator[jax.Array]:
+  """The keys of a step's generation batches 1, 2, ...: they depend only on (seed, step, batch),
+  so a resumed run draws the same."""
+  base = jax.random.fold_in(jax.random.key(seed), 1 + step)
+  return (jax.random.fold_in(base, gen) for gen in itertools.count(1))
+
+
+def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bool]:
+  """The state, the first step to run and whether a checkpoint was found in the workdir."""
+  restored = run.checkpointer.restore(abstract_params=state.params,
+                                      abstract_opt_state=state.opt_state)
+  if restored is None:
+    return state, 0, False
+  params, opt_state, meta = restored
+  state = state.replace(params=params, opt_state=opt_state,
+                            step=jnp.asarray(meta["update_step"], jnp.int32),
+                            num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
+  run.iterator.set_state(meta["iterator"])
+  run.sampler.load_state_dict(meta["sampler"])
+  _log.info("Resumed from %s at step %d.", run.checkpointer.directory, int(meta["step"]))
+  return run_setup.commit(state, run.mesh), int(meta["step"]), True
+
+
+def _before_rl(config, run: run_setup.Run, state: TrainState, evaluator
+               ) -> tuple[TrainState, dict[str, float]]:
+  """A fresh run's optional SFT warm start and its step-0 evaluation."""
+  before: dict[str, float] = {}
+  if config.sft.steps:
+    state, before = sft.warm_start(config, run.graphdef, state, run.tokenizer, run.train_records,
+                                   run.mesh)
+    state = run.fresh_optimizer(state)  # a fresh optimizer for DAPO on the warm-started weights
+  if evaluator is not None:
+    before.update(evaluator(run.to_rollout(state.params)))
+  return state, before
+
+
+def _sample(config, run: run_setup.Run, state: TrainState, step: int
+            ) -> tuple[Trajectories, SamplingStats]:
+  """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update."""
+  generate = run.generator.groups_fn(run.to_rollout(state.params), rollout_keys(config.seed, step))
+  try:
+    groups, ds_stats = run.sampler.sample(distributed.global_batches(run.iterator),
+                                          generate_fn=generate)
+  except DynamicSamplingError as err:
+    raise _sampling_stopped(err, step, config, run, state) from err
+  traj = Trajectories.from_groups(groups)
+  # Every process must train on the same batch (the filter saw gathered rewards).
+  distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
+                                           "The dynamic-sampling batch")
+  return traj, ds_stats
+
+
+def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories):
+  """The behaviour policy's log-probs: the sampler's, or the training forward's (+ entropy)."""
+  if config.rollout.use_sampler_logprobs:
+    return traj.sampler_logprobs, None
+  return distributed.global_to_host(run.logp_fn(
+      state.params, distributed.rows_on_device(traj.input_ids, run.mesh),
+      distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len))
+
+
+def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
+            step: int) -> tuple[TrainState, list[dict[str, Any]]]:
+  """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update."""
+  rows_per_update = config.optim.mini_batch_size * config.rollout.n
+  updates = []
+  for _ in range(config.optim.ppo_epochs):
+    for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh):
+      state, m = run.step_fn(state, batch, step)
+      updates.append(m)
+  return state, jax.device_get(updates)
+
+
+def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
+                 updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer
+                 ) -> dict[str, float]:
+  """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput."""
+  metrics = _mean_metrics(updates)
+  metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
+  metrics.update(traj_lib.rollout_metrics(
+      traj, max_response_length=config.rollout.max_response_length,
+      buffer_len=config.reward.overlong_buffer_len))
+  metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
+  mask = traj.response_mask
+  if not config.rollout.use_sampler_logprobs:
+    # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
+    # update is silently off-policy (verl logs the same as rollout_probs_diff).
+    metrics["rollout/logprob_diff_max"] = float(
+        np.abs(np.where(mask, traj.sampler_logprobs - old_logp, 0.0)).max())
+  if entropy is not None:
+    metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
+  metrics["reward/verifier_errors"] = float(traj.verifier_errors)
+  metrics["reward/verifier_timeouts"] = float(traj.verifier_timeouts)
+  metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
+  metrics["time/step"] = sum(timer.totals.values())
+  metrics["perf/trained_tokens_per_s"] = float(mask.sum()) / max(
+      timer.totals.get("update", 1e-9), 1e-9)
+  metrics["perf/rollout_tokens_per_s"] = float(
+      ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
+  return metrics
+
+
+def _log_step(config, writer: MetricsWriter, progress: ProgressBar, step: int,
+              metrics: dict[str, float], traj: Trajectories) -> None:
+  n = config.rollout.n
+  writer.write_scalars(step, metrics)
+  writer.write_texts(step, {f"sample_{i}": f"{traj.prompts[i // n]!r} -> {traj.texts[i]!r} "
+                            f"(reward {traj.reward[i]:+.2f})"
+                            for i in range(0, min(traj.num_rows, config.num_sample_texts * n), n)})
+  progress.update(step, metrics)
+  writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
+
+
+def _log_held_out(config, workdir, headline: str, rows: list[dict[str, Any]]) -> None:
+  evals = [r[headline] for r in rows if r.get(headline) is not None]
   if evals:
     _log.info("Held-out %s: %.3f at the start of RL -> %.3f after %d steps. Curves: %s",
-              evaluator.headline, evals[0], evals[-1], config.num_steps,
-              workdir / "curves.png")
-  return result
+              headline, evals[0], evals[-1], config.num_steps, workdir / run_files.CURVES_FILE)
 
 
 class SamplingStoppedError(RuntimeError):
@@ -332,14 +286,11 @@ class SamplingStoppedError(RuntimeError):
   """
 
 
-def _sampling_stopped(err: DynamicSamplingError, step: int, config, ckpt: TrainCheckpointer,
-                      state, iterator: PromptIterator, sampler: DynamicSampler
-                      ) -> SamplingStoppedError:
-  sampler.carry(err.groups)  # nothing gathered is thrown away
+def _sampling_stopped(err: DynamicSamplingError, step: int, config, run: run_setup.Run,
+                      state: TrainState) -> SamplingStoppedError:
+  run.sampler.carry(err.groups)  # nothing gathered is thrown away
   # force: a resumed run re-saves its start step (iterator advanced, groups carried).
-  ckpt.save(step, state.params, state.opt_state, _meta(step, state, iterator, sampler),
-            force=True)
-  ckpt.close()
+  _save(run, step, state, force=True)
   st, gathered = err.stats, f"{len(err.groups)}/{config.optim.train_batch_size}"
   if isinstance(err, DatasetExhaustedError):
     what = (f"dataset {config.data.train!r} ran out after data.num_epochs="
@@ -353,11 +304,12 @@ def _sampling_stopped(err: DynamicSamplingError, step: int, config, ckpt: TrainC
             "or algorithm.gen_batch_size, or check the data and the reward")
   return SamplingStoppedError(
       f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
-      f"gathered are saved with a checkpoint of step {step} in {ckpt.directory} and are used "
-      "first when the run is relaunched on the same --workdir.")
+      f"gathered are saved with a checkpoint of step {step} in {run.checkpointer.directory} and "
+      "are used first when the run is relaunched on the same --workdir.")
 
 
-def _meta(step: int, state, iterator: PromptIterator, sampler: DynamicSampler) -> dict:
-  return {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
-          "iterator": iterator.get_state(),
-          "sampler": exp.sampler_state_to_json(sampler.state_dict())}
+def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False) -> None:
+  """Params, optimizer state and the JSON meta a resumed run continues from."""
+  meta = {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
+          "iterator": run.iterator.get_state(), "sampler": run.sampler.state_dict()}
+  run.checkpointer.save(step, state.params, state.opt_state, meta, force=force)

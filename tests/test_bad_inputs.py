@@ -99,7 +99,7 @@ def _saved_meta(workdir, step):
 
 
 def test_dataset_exhausted_mid_sampling_checkpoints_the_groups(tmp_path, monkeypatch):
-  monkeypatch.setattr(train_lib, "RewardScorer", _OneMixedGroupPerBatch)
+  monkeypatch.setattr(run_setup, "RewardScorer", _OneMixedGroupPerBatch)
   monkeypatch.setattr(_OneMixedGroupPerBatch, "closed", [])
   workdir = str(tmp_path / "run")
   # One epoch = 2 generation batches = 2 kept groups; a step needs 4.
@@ -114,7 +114,7 @@ def test_dataset_exhausted_mid_sampling_checkpoints_the_groups(tmp_path, monkeyp
 
 
 def test_max_num_gen_batches_checkpoints_the_groups(tmp_path, monkeypatch):
-  monkeypatch.setattr(train_lib, "RewardScorer", _OneMixedGroupPerBatch)
+  monkeypatch.setattr(run_setup, "RewardScorer", _OneMixedGroupPerBatch)
   workdir = str(tmp_path / "run")
   with pytest.raises(train_lib.SamplingStoppedError) as info:
     train_lib.train_and_evaluate(_sampling_config(**{"algorithm.max_num_gen_batches": 2}),

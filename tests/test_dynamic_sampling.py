@@ -1,8 +1,9 @@
 """Tests of dapo_jax.dynamic_sampling (spec section 5)."""
 
+import dataclasses
 import itertools
+import json
 import math
-import pickle
 
 import numpy as np
 import pytest
@@ -11,11 +12,24 @@ from dapo_jax import dynamic_sampling as ds
 from dapo_jax.dynamic_sampling import DynamicSampler, Group
 
 
+@dataclasses.dataclass
+class _TokensGroup(Group):
+  """A trainer's group: extra fields, serialised by its own to_json/from_json."""
+  tokens: np.ndarray
+
+  def to_json(self):
+    return {**super().to_json(), "tokens": self.tokens.tolist()}
+
+  @classmethod
+  def from_json(cls, d):
+    return cls(tuple(d["prompt"]), d["acc"], d["reward"], np.asarray(d["tokens"]))
+
+
 def _pattern_fn(prompts):
   """Deterministic fake rollout: each prompt IS its correctness pattern."""
-  return [Group(prompt=p, acc=np.array(p, bool),
-                reward=np.where(np.array(p, bool), 1.0, -1.0),
-                payload={"tokens": np.arange(len(p))}) for p in prompts]
+  return [_TokensGroup(prompt=p, acc=np.array(p, bool),
+                       reward=np.where(np.array(p, bool), 1.0, -1.0),
+                       tokens=np.arange(len(p))) for p in prompts]
 
 
 def _batches(*batches):
@@ -141,23 +155,24 @@ def test_batch_filled_by_last_allowed_gen_batch_succeeds():
 
 def test_keep_surplus_carries_to_next_call_and_round_trips():
   def make():
-    return DynamicSampler(_pattern_fn, train_batch_size=2, keep_surplus=True)
+    return DynamicSampler(_pattern_fn, train_batch_size=2, keep_surplus=True,
+                          group_type=_TokensGroup)
   s1, s2, s3 = (1, 0), (0, 1), (1, 0, 1)
   sampler = make()
   batch, stats = sampler.sample(_batches([MIX, MIX, s1, ALL1, s2, s3]))
   assert stats.surplus_groups == 3 and stats.surplus_carried
   assert [g.prompt for g in sampler.carried_groups] == [s1, s2, s3]
 
-  # Checkpoint, restore into a fresh sampler, through pickle.
+  # Checkpoint, restore into a fresh sampler, through JSON.
   restored = make()
-  restored.load_state_dict(pickle.loads(pickle.dumps(sampler.state_dict())))
+  restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
 
   for smp in (sampler, restored):
     untouched = iter([])  # the carry alone fills the batch: no generation.
     batch, stats = smp.sample(untouched)
     assert [g.prompt for g in batch] == [s1, s2]
     assert stats.num_gen_batches == 0 and stats.carried_in_groups == 3
-    np.testing.assert_array_equal(batch[1].payload["tokens"], [0, 1])
+    np.testing.assert_array_equal(batch[1].tokens, [0, 1])
     batch, stats = smp.sample(_batches([ALL0, MIX]))
     assert [g.prompt for g in batch] == [s3, MIX]
     assert smp.carried_groups == []
@@ -207,6 +222,19 @@ def test_bad_generate_fn_and_config_errors():
     DynamicSampler(_pattern_fn, train_batch_size=1, max_num_gen_batches=-1)
   with pytest.raises(ValueError, match="same non-zero length"):
     Group("x", [True, False], [1.0])
+  with pytest.raises(ValueError, match="needs a generate_fn"):
+    DynamicSampler(train_batch_size=1).sample(_batches([MIX]))
+
+
+def test_generate_fn_per_call_overrides_the_default():
+  """A trainer binds each step's weights into that step's generate_fn."""
+  sampler = DynamicSampler(train_batch_size=1)
+  batch, _ = sampler.sample(_batches([ALL1, MIX]), generate_fn=_pattern_fn)
+  assert [g.prompt for g in batch] == [MIX]
+  flipped = lambda ps: _pattern_fn([tuple(1 - x for x in p) for p in ps])
+  sampler = DynamicSampler(_pattern_fn, train_batch_size=1)
+  batch, _ = sampler.sample(_batches([(1, 0)]), generate_fn=flipped)
+  assert batch[0].prompt == (0, 1)
 
 
 def test_stats_dict_has_logged_keys():

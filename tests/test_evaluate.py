@@ -28,7 +28,10 @@ def _scripted_rollout(tokenizer, answers_per_prompt, width=16):
         lengths.append(len(toks))
     calls["n"] += ids.shape[0]
     resp = np.asarray(rows, np.int32)
-    return types.SimpleNamespace(response_ids=resp, lengths=np.asarray(lengths, np.int32))
+    return types.SimpleNamespace(response_ids=resp, lengths=np.asarray(lengths, np.int32),
+                                 response_mask=resp != tokenizer.pad_id,
+                                 logprobs=np.zeros(resp.shape, np.float32),
+                                 truncated=np.zeros(len(rows), bool))
 
   return rollout
 

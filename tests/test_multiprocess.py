@@ -47,10 +47,11 @@ def _worker(workdir: str) -> None:
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   import jax  # pylint: disable=g-import-not-at-top
+  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax import train  # pylint: disable=g-import-not-at-top
   scored = []
 
-  class HashVerdictScorer(train.RewardScorer):
+  class HashVerdictScorer(run_setup.RewardScorer):
     """The real scorer's shaping, with acc decided by a checksum of the response text."""
 
     def __call__(self, responses, ground_truths, response_lengths, timeout_s=None):
@@ -61,7 +62,7 @@ def _worker(workdir: str) -> None:
       return dataclasses.replace(base, acc=acc, score=score,
                                  reward=score + base.overlong_penalty)
 
-  train.RewardScorer = HashVerdictScorer
+  run_setup.RewardScorer = HashVerdictScorer
   result = train.train_and_evaluate(_config(), workdir)
   with open(os.path.join(workdir, f"worker{jax.process_index()}.json"), "w") as f:
     json.dump({"rows_scored": sum(scored), "devices": jax.device_count(),

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.experimental import multihost_utils
 
-from dapo_jax import experience
+from dapo_jax import run_setup
+from dapo_jax import trajectories
 from dapo_jax import train as train_lib
 from tests import fault_report
 from tests.test_train_e2e import ROOT, TINY, _small_config
@@ -67,7 +68,7 @@ def test_sigterm_checkpoints_the_current_step_and_resumes(tmp_path):
 
 def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_path,
                                                                             monkeypatch):
-  real = experience.compute_advantages
+  real = trajectories.compute_advantages
   poisoned_steps = {2, 4, 5, 6}
   calls = {"n": 0}
 
@@ -76,10 +77,10 @@ def test_poisoned_batches_are_skipped_training_continues_then_the_run_stops(tmp_
     adv = real(traj, norm_adv_by_std)
     return np.full_like(adv, np.nan) if calls["n"] in poisoned_steps else adv
 
-  monkeypatch.setattr(train_lib.exp, "compute_advantages", poisoned)
+  monkeypatch.setattr(train_lib.traj_lib, "compute_advantages", poisoned)
   closed = []
-  real_close = train_lib.RewardScorer.close
-  monkeypatch.setattr(train_lib.RewardScorer, "close",
+  real_close = run_setup.RewardScorer.close
+  monkeypatch.setattr(run_setup.RewardScorer, "close",
                       lambda self: (closed.append(True), real_close(self))[1])
   c = _small_config()
   c.num_steps = 8

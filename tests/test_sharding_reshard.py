@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import create_model, get_preset
+from dapo_jax.rollout.weights import RolloutWeights
 
 TRAIN_MESH = [("data", 1), ("fsdp", 4), ("tensor", 2)]
 ROLLOUT_MESHES = {"same_devices_sample_rules": TRAIN_MESH,
@@ -71,7 +71,7 @@ def test_rollout_weights_cast_before_they_move(train_state):
   master = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(np.float32), t),
                    out_shardings=shd.state_shardings(state, mesh, shd.TRAIN_RULES))(state)
   rollout_mesh = shd.make_mesh(ROLLOUT_MESHES["own_rollout_mesh"])
-  to_rollout = run_setup.RolloutWeights(jnp.bfloat16, rollout_mesh)
+  to_rollout = RolloutWeights(jnp.bfloat16, rollout_mesh)
   out = to_rollout(master)
   expected_sh = shd.state_shardings(state, rollout_mesh, shd.SAMPLE_RULES)
   for x, m, s in zip(jax.tree.leaves(out), jax.tree.leaves(master), jax.tree.leaves(expected_sh)):

@@ -94,39 +94,40 @@ def test_dapo_train_cli_two_steps(tmp_path):
 
 
 def test_carried_surplus_groups_round_trip_through_json():
-  from dapo_jax import experience as exp  # pylint: disable=g-import-not-at-top
   from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
-  from dapo_jax.dynamic_sampling import DynamicSampler, Group  # pylint: disable=g-import-not-at-top
+  from dapo_jax.dynamic_sampling import DynamicSampler  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trajectories import ScoredGroup, Trajectories  # pylint: disable=g-import-not-at-top
   rec = arithmetic.make_records(1)[0]
-  payload = dict(prompt_ids=np.arange(6, dtype=np.int32).reshape(2, 3),
-                 prompt_mask=np.ones((2, 3), bool), response_ids=np.ones((2, 4), np.int32),
-                 response_mask=np.array([[1, 1, 0, 0], [1, 1, 1, 1]], bool),
-                 logprobs=np.full((2, 4), -0.5, np.float32), lengths=np.array([2, 4], np.int32),
-                 truncated=np.array([False, True]), texts=["a", "b"],
-                 score=np.array([1, -1], np.float32), penalty=np.zeros(2, np.float32),
-                 num_errors=0, num_timeouts=0)
-  sampler = DynamicSampler(lambda p: [], train_batch_size=1, keep_surplus=True)
-  sampler.load_state_dict({"version": 1, "carried": [
-      {"prompt": rec, "acc": np.array([True, False]), "reward": np.array([1.0, -1.0]),
-       "payload": payload}]})
-  js = json.loads(json.dumps(exp.sampler_state_to_json(sampler.state_dict())))
-  back = exp.sampler_state_from_json(js)["carried"][0]
-  assert back["prompt"] == rec
-  for k, v in payload.items():
-    if isinstance(v, np.ndarray):
-      assert back["payload"][k].dtype == v.dtype and (back["payload"][k] == v).all(), k
-  sampler.load_state_dict(exp.sampler_state_from_json(js))
-  traj = exp.groups_to_trajectories([Group(**back)])
-  assert traj.num_rows == 2
+  arrays = dict(prompt_ids=np.arange(6, dtype=np.int32).reshape(2, 3),
+                prompt_mask=np.ones((2, 3), bool), response_ids=np.ones((2, 4), np.int32),
+                response_mask=np.array([[1, 1, 0, 0], [1, 1, 1, 1]], bool),
+                logprobs=np.full((2, 4), -0.5, np.float32), lengths=np.array([2, 4], np.int32),
+                truncated=np.array([False, True]), score=np.array([1, -1], np.float32),
+                penalty=np.zeros(2, np.float32))
+  group = ScoredGroup(prompt=rec, acc=np.array([True, False]), reward=np.array([1.0, -1.0]),
+                      texts=["a", "b"], num_errors=2, **arrays)
+  sampler = DynamicSampler(train_batch_size=1, keep_surplus=True, group_type=ScoredGroup)
+  sampler.carry([group])
+  js = json.loads(json.dumps(sampler.state_dict()))
+  # The checkpoints' meta layout (older runs resume from it): arrays under "payload".
+  assert sorted(js["carried"][0]) == ["acc", "payload", "prompt", "reward"]
+  assert js["carried"][0]["payload"]["num_errors"] == 2
+  sampler.load_state_dict(js)
+  back = sampler.carried_groups[0]
+  assert isinstance(back, ScoredGroup) and back.prompt == rec and back.texts == ["a", "b"]
+  for k, v in arrays.items():
+    assert getattr(back, k).dtype == v.dtype and (getattr(back, k) == v).all(), k
+  traj = Trajectories.from_groups([back])
+  assert traj.num_rows == 2 and traj.verifier_errors == 2
 
 
 def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
   """A bf16 model trains fp32 master weights; every rollout call of a step (two per generation
   batch here) reads the same bf16 copy in the rollout layout, made once per step."""
   from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
-  from dapo_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import weights  # pylint: disable=g-import-not-at-top
   seen, copies = [], []
-  real_make, real_call = train_lib.make_rollout, run_setup.RolloutWeights.__call__
+  real_make, real_call = run_setup.make_rollout, weights.RolloutWeights.__call__
 
   def make_rollout(*args, **kwargs):
     rollout = real_make(*args, **kwargs)
@@ -139,8 +140,8 @@ def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
     copies.append(real_call(self, params))
     return copies[-1]
 
-  monkeypatch.setattr(train_lib, "make_rollout", make_rollout)
-  monkeypatch.setattr(run_setup.RolloutWeights, "__call__", to_rollout)
+  monkeypatch.setattr(run_setup, "make_rollout", make_rollout)
+  monkeypatch.setattr(weights.RolloutWeights, "__call__", to_rollout)
   c = _small_config(**{"model.param_dtype": "bfloat16", "model.dtype": "bfloat16",
                        "rollout.prompts_per_call": 2})  # 4 prompts per generation batch
   c.num_steps = 2

@@ -132,7 +132,7 @@ GRPO advantages follow (spec sections 2 and 3); dynamic sampling keeps the group
 right and wrong answers.
 '''),
     ("code", r'''
-from dapo_jax import dynamic_sampling, experience, objective, rewards
+from dapo_jax import dynamic_sampling, generation, objective, rewards
 from dapo_jax.rollout import Sampler
 
 eval_records = run_setup.load_dataset(config.data.eval, config, "eval")
@@ -142,12 +142,12 @@ print(repr(hf_tokenizer.apply_chat_template([{"role": "user", "content": record.
 print("ground truth:", record.ground_truth)
 
 sampler = Sampler(hf_graphdef)
-prompt_ids, prompt_mask = experience.render_batch([record], hf_tokenizer,
+prompt_ids, prompt_mask = generation.render_batch([record], hf_tokenizer,
                                                   config.data.max_prompt_length)
 rollout_params = run_setup.sampling_params(config, hf_tokenizer)
 out = jax.device_get(sampler.generate(hf_params, prompt_ids, prompt_mask, jax.random.key(0),
                                       rollout_params, num_samples=group_size))
-texts = experience.decode_responses(hf_tokenizer, out.response_ids, out.lengths,
+texts = generation.decode_responses(hf_tokenizer, out.response_ids, out.lengths,
                                     rollout_params.eos_ids)
 scores = [rewards.compute_score(t, record.ground_truth) for t in texts]
 r = config.reward
