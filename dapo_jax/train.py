@@ -29,10 +29,12 @@ from dapo_jax import experience as exp
 from dapo_jax import run_setup
 from dapo_jax import sft
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
+from dapo_jax.console_log import RunLogger
 from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSampler,
                                        DynamicSamplingError)
-from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer, plot_curves, read_jsonl
+from dapo_jax.logging_writers import open_writers
+from dapo_jax.metrics import Timer, plot_curves, read_jsonl
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
@@ -194,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     start_step = int(meta["step"])
     _log.info("Resumed from %s at step %d.", ckpt.directory, start_step)
   # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
-  writer = MetricsWriter(workdir, resume_step=start_step if restored is not None else -1)
+  writer = open_writers(config, workdir, resume_step=start_step if restored is not None else -1)
   if restored is None:
     before: dict[str, float] = {}
     if config.sft.steps:
@@ -213,9 +215,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   stop.install()
   stopped_at = None
   rows_per_update = config.optim.mini_batch_size * config.rollout.n
-  progress = ProgressBar(config.num_steps, initial=start_step, fields={
-      "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
-      "eval": evaluator.headline})
+  progress = RunLogger.from_config(config, initial=start_step, headline=evaluator.headline)
   try:
     for step in range(start_step, config.num_steps):
       counter.update(step=step, gen=0)
@@ -279,7 +279,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                     f"{traj.texts[i]!r} (reward {traj.reward[i]:+.2f})"
                                     for i in range(0, min(traj.num_rows, config.num_sample_texts
                                                           * config.rollout.n), config.rollout.n)})
-      progress.update(step + 1, metrics)
+      progress.update(step + 1, metrics, traj)
       writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
       result = metrics
       if consecutive_skips >= config.optim.max_consecutive_skips:
