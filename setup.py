@@ -37,7 +37,10 @@ EXTRAS_REQUIRE = {
         "nbclient>=0.10",
         "nbformat>=5.10",
         "ipykernel>=6.29",
+        "wandb>=0.31,<1",  # the optional wandb writer's offline-run test
     ],
+    # config.logging.wandb.enable=True (imported only then).
+    "wandb": ["wandb>=0.31,<1"],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
 }

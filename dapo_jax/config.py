@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 from typing import Iterator
 
 import ml_collections
@@ -242,7 +241,9 @@ def _check_logging(c: ml_collections.ConfigDict, bad) -> None:
   if wb.enable:
     if not wb.project:
       bad("logging.wandb.project", wb.project, "name the wandb project")
-    if importlib.util.find_spec("wandb") is None:
+    try:  # here, before the model is built, rather than after minutes of start-up
+      import wandb  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
       bad("logging.wandb.enable", wb.enable, "the wandb package is not installed: pip install "
           "wandb (or set --config.logging.wandb.enable=False)")
 

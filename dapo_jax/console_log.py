@@ -99,10 +99,9 @@ def clip_text(text: str, width: int) -> str:
   flat = str(text).replace("\r", "").replace("\n", "\\n")
   if len(flat) <= width:
     return flat
-  cut = len(flat) - width
-  marker = f" ...[{cut} chars]... "
-  keep = max(width - len(marker), 2)
+  keep = max(width - len(f" ...[{len(flat)} chars]... "), 2)  # the widest count
   head = keep // 2
+  marker = f" ...[{len(flat) - keep} chars]... "
   return flat[:head] + marker + flat[len(flat) - (keep - head):]
 
 

@@ -66,18 +66,16 @@ class WandbWriter:
     self._table = wandb.Table
     from etils import epath  # pylint: disable=g-import-not-at-top
     id_file = epath.Path(os.fspath(workdir)) / RUN_ID_FILE
-    if id_file.exists():
-      run_id = id_file.read_text().strip()
-    else:
-      run_id = wandb.util.generate_id()
-      id_file.parent.mkdir(parents=True, exist_ok=True)
-      id_file.write_text(run_id)
+    run_id = id_file.read_text().strip() if id_file.exists() else None  # None: wandb draws one
     # resume="allow": the same id continues the run; steps at or below the last row wandb has
     # (written after the checkpoint a restart resumes from) are dropped by wandb with a warning.
     self.run = wandb.init(project=project, entity=entity or None, name=name or None, mode=mode,
                           tags=wandb_tags(tags), config=dict(config or {}), id=run_id,
                           resume="allow")
-    _log.info("wandb run %s (%s mode).", run_id, mode)
+    if run_id is None:
+      id_file.parent.mkdir(parents=True, exist_ok=True)
+      id_file.write_text(self.run.id)
+    _log.info("wandb run %s (%s mode).", self.run.id, mode)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Several calls for one step make one row (wandb commits it when a later step arrives)."""
