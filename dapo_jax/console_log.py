@@ -5,8 +5,8 @@ off there, so such a log would show nothing between start-up and the end. `RunLo
 instead, every ``log_every`` steps, one line of the scalars a DAPO run is watched by, and every
 ``samples_every`` steps a few decoded samples (prompt, response, reward):
 
-    step 2/3 | acc 0.000 reward -1.319 kept 0.00 gen 1 | len 17.2/32 clip 0.0158 entropy 4.109
-    | rollout 0.62s old_logprob 0.87s update 4.28s | eval/avg@4 0.000
+    step 2/4 | acc 0.000 reward -1.101 kept 0.00 gen 1 | len 16.1/32 clip 0.0244 entropy 2.461
+    | rollout 0.72s old_logprob 0.75s update 5.47s | eval/avg@4 0.000
 
 (one line in the log: acc and reward means, the dynamic-sampling kept ratio and generation
 batches, response length mean/max, the clip fraction, entropy, seconds per phase, the eval
@@ -114,7 +114,7 @@ def format_samples(step: int, samples: Sequence[Sample], width: int = 160) -> li
     shown = flat if len(flat) <= width else "..." + flat[len(flat) - width + 3:]
     lines.append(f"sample {i + 1}/{len(samples)} at step {step} (reward {float(reward):+.2f})")
     lines.append(f"  prompt:   {shown}")
-    lines.append(f"  response: {clip_text(response, width)}")
+    lines.append(f"  response: {clip_text(response, width) if response else '(empty)'}")
   return lines
 
 
