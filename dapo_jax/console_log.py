@@ -10,8 +10,8 @@ instead, every ``log_every`` steps, one line of the scalars a DAPO run is watche
 
 (one line in the log: acc and reward means, the dynamic-sampling kept ratio and generation
 batches, response length mean/max, the clip fraction, entropy, seconds per phase, the eval
-headline when the step evaluated). Only process 0 prints. The lines go to the ``dapo_jax.console_log``
-logger (``dapo-train`` sends logging to stdout).
+headline when the step evaluated). Only process 0 prints. The lines go to the
+``dapo_jax.console_log`` logger (``dapo-train`` sends logging to stdout).
 """
 
 from __future__ import annotations

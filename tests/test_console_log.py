@@ -3,6 +3,7 @@
 import io
 import logging
 import re
+import sys
 import types
 
 import jax
@@ -106,7 +107,7 @@ class _Tty(io.StringIO):
 
 
 def test_auto_mode_lines_only_without_a_terminal(monkeypatch):
-  monkeypatch.delitem(__import__("sys").modules, "ipykernel", raising=False)
+  monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
   for stream in (io.StringIO, _Tty):  # a SLURM file or a pipe into tee; then a terminal
     monkeypatch.setattr("sys.stdout", stream())
     monkeypatch.setattr("sys.stderr", stream())
@@ -114,7 +115,7 @@ def test_auto_mode_lines_only_without_a_terminal(monkeypatch):
     log.update(1, STEP)
     log.close()
     assert log.lines == (stream is io.StringIO)
-    drawn = __import__("sys").stderr.getvalue()  # tqdm draws on stderr
+    drawn = sys.stderr.getvalue()  # tqdm draws on stderr
     assert ("acc=0.25" in drawn) == (stream is _Tty), drawn
 
 
