@@ -37,6 +37,7 @@ EXTRAS_REQUIRE = {
         "nbclient>=0.10",
         "nbformat>=5.10",
         "ipykernel>=6.29",
+        "ruff>=0.17.6,<0.18",  # launch/test.sh lints with it (rules in ruff.toml)
         "wandb>=0.31,<1",  # the optional wandb writer's offline-run test
     ],
     # config.logging.wandb.enable=True (imported only then).

@@ -94,7 +94,7 @@ def load_model(checkpoint: str, *, fmt: str = "auto", dtype: str | None = None,
 def build_engine(args: argparse.Namespace):
   """The `QwenEngine` the flags describe."""
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
-  from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
   model = load_model(args.checkpoint, fmt=args.format, dtype=args.dtype,
                      model_config=args.model_config, step=args.step)
   tokenizer_path = args.tokenizer or args.checkpoint
