@@ -242,7 +242,7 @@ def _check_logging(c: ml_collections.ConfigDict, bad) -> None:
     if not wb.project:
       bad("logging.wandb.project", wb.project, "name the wandb project")
     try:  # here, before the model is built, rather than after minutes of start-up
-      import wandb  # pylint: disable=g-import-not-at-top,unused-import
+      import wandb  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
     except ImportError:
       bad("logging.wandb.enable", wb.enable, "the wandb package is not installed: pip install "
           "wandb (or set --config.logging.wandb.enable=False)")
