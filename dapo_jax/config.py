@@ -12,6 +12,8 @@ from typing import Iterator
 
 import ml_collections
 
+from dapo_jax.console_log import CONSOLE_MODES
+from dapo_jax.logging_writers import WANDB_MODES
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.objective import LOSS_AGG_MODES
 
@@ -121,8 +123,18 @@ def default_config() -> ml_collections.ConfigDict:
   # rollout by sharding.SAMPLE_RULES on `rollout_mesh` (empty: the same devices as `mesh`).
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
   c.rollout_mesh = []
-  c.log_every = 1
+  c.log_every = 1  # a log line every N rollout steps when stdout is not a terminal
   c.num_sample_texts = 2  # completions written to the logs per step
+  c.logging = ml_collections.ConfigDict()
+  # "auto": the tqdm bar on a terminal, one plain line per step in a file or pipe (SLURM, tee);
+  # "bar" / "lines" force one.
+  c.logging.console = "auto"
+  c.logging.samples_every = 10  # decoded samples in the log (and wandb) every N steps; 0 = never
+  c.logging.wandb = ml_collections.ConfigDict(dict(
+      enable=False,  # needs `pip install wandb`; imported only when enabled
+      project="dapo_jax", entity="", name="",  # "": wandb's default (your entity, a random name)
+      mode="online",  # or "offline" (sync later with `wandb sync`), "disabled"
+      tags=""))  # comma-separated, e.g. "dapo,qwen2.5-32b"
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-3, warmup_steps=20))
   return c
 
@@ -211,6 +223,29 @@ def validate(c: ml_collections.ConfigDict) -> None:
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
   if c.data.num_epochs < 0:
     bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")
+  _check_logging(c, bad)
+
+
+def _check_logging(c: ml_collections.ConfigDict, bad) -> None:
+  if c.log_every < 1:
+    bad("log_every", c.log_every, "must be >= 1 (a log line every N rollout steps)")
+  if c.num_sample_texts < 0:
+    bad("num_sample_texts", c.num_sample_texts, "must be >= 0")
+  if c.logging.console not in CONSOLE_MODES:
+    bad("logging.console", c.logging.console, f"choose one of {CONSOLE_MODES}")
+  if c.logging.samples_every < 0:
+    bad("logging.samples_every", c.logging.samples_every, "must be >= 0 (0 = never)")
+  wb = c.logging.wandb
+  if wb.mode not in WANDB_MODES:
+    bad("logging.wandb.mode", wb.mode, f"choose one of {WANDB_MODES}")
+  if wb.enable:
+    if not wb.project:
+      bad("logging.wandb.project", wb.project, "name the wandb project")
+    try:  # here, before the model is built, rather than after minutes of start-up
+      import wandb  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      bad("logging.wandb.enable", wb.enable, "the wandb package is not installed: pip install "
+          "wandb (or set --config.logging.wandb.enable=False)")
 
 
 def _check_mesh(field: str, axes, bad) -> None:

@@ -30,7 +30,9 @@ from dapo_jax import sft
 from dapo_jax import trajectories as traj_lib
 from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSamplingError,
                                        SamplingStats)
-from dapo_jax.metrics import MetricsWriter, ProgressBar, Timer
+from dapo_jax.console_log import RunLogger
+from dapo_jax.logging_writers import MultiWriter, open_writers
+from dapo_jax.metrics import Timer
 from dapo_jax.train_step import TrainState
 from dapo_jax.trajectories import Trajectories
 
@@ -107,16 +109,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state, start_step, resumed = _restore(run, state)
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
     writer = teardown.enter_context(
-        MetricsWriter(workdir, resume_step=start_step if resumed else -1))
+        open_writers(config, workdir, resume_step=start_step if resumed else -1))
     result: dict[str, float] = {}
     if not resumed:
       state, result = _before_rl(config, run, state, evaluator if evaluating else None)
       if result:
         writer.write_scalars(0, result)
     stop = teardown.enter_context(_StopRequest())
-    progress = ProgressBar(config.num_steps, initial=start_step, fields={
-        "reward": "train/reward_mean", "acc": "train/acc_mean", "kept": "sampling/kept_ratio",
-        "eval": evaluator.headline})
+    progress = RunLogger.from_config(config, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
     consecutive_skips = 0
     for step in range(start_step, config.num_steps):
@@ -260,14 +260,14 @@ def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: Sampli
   return metrics
 
 
-def _log_step(config, writer: MetricsWriter, progress: ProgressBar, step: int,
+def _log_step(config, writer: MultiWriter, progress: RunLogger, step: int,
               metrics: dict[str, float], traj: Trajectories) -> None:
   n = config.rollout.n
   writer.write_scalars(step, metrics)
   writer.write_texts(step, {f"sample_{i}": f"{traj.prompts[i // n]!r} -> {traj.texts[i]!r} "
                             f"(reward {traj.reward[i]:+.2f})"
                             for i in range(0, min(traj.num_rows, config.num_sample_texts * n), n)})
-  progress.update(step, metrics)
+  progress.update(step, metrics, traj)
   writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
 
 
