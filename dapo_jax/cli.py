@@ -124,7 +124,10 @@ def parse(prog: str, doc: str, argv: Sequence[str],
   rest = fv(argv)
   if len(rest) > 1:
     raise flags.Error(f"unexpected arguments {rest[1:]}; flags are written --name=value.")
-  expand_paths(fv.config)
+  try:
+    expand_paths(fv.config)
+  except OSError as e:  # config_flags defers a get_config failure to first use; raise its cause
+    raise (e.__cause__ or e) from None
   return fv
 
 
