@@ -10,6 +10,10 @@ shaping**. Each section below plots one of them with the functions the trainer i
 `dapo_jax.rewards`. No model is involved; it runs in seconds on a CPU.
 '''
 
+RUNS_ON = r'''
+**Where it runs:** any runtime. The plots use small `jax.numpy` arrays on the default device; a CPU runtime is plenty.
+'''
+
 CELLS = [
     ("code", r'''
 import itertools

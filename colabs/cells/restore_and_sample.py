@@ -15,6 +15,10 @@ and measures avg@k on held-out problems (`dapo_jax.evaluate.Evaluator`).
 It reads the run of `train_tiny_dapo.ipynb` when present, and otherwise trains a tiny one here.
 '''
 
+RUNS_ON = r'''
+**Where it runs:** any runtime; sized for a CPU one (seconds to a few minutes). On a Colab TPU or GPU runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` and the restore, sampling and evaluation run on the accelerator.
+'''
+
 CELLS = [
     ("md", r'''
 ## Parameters
