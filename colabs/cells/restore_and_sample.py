@@ -173,8 +173,9 @@ print("dynamic sampling keeps this group:", dynamic_sampling.is_valid_acc(acc))
 per problem at the evaluation settings (DAPO: temperature 1.0, top-p 0.7; AIME 2024 avg@32,
 spec section 8), scored by the training verifier without length shaping. It reports avg@k,
 unbiased pass@k and maj@k, and keeps a per-problem table. From a shell:
-`dapo-eval --workdir WORKDIR`, or `dapo-eval --checkpoint WORKDIR/hf --dataset arithmetic
---max_response_length 32`.
+`dapo-eval --workdir WORKDIR`, or `dapo-eval --config.model.checkpoint=WORKDIR/hf
+--config.data.eval=arithmetic --config.rollout.max_response_length=32` (any setting as
+`--config.x=y`, as with `dapo-train`).
 '''),
     ("code", r'''
 from dapo_jax import eval_metrics
