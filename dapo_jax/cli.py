@@ -117,7 +117,7 @@ def parse(prog: str, doc: str, argv: Sequence[str],
       "--config.x=y, e.g. --config.model.dtype=bfloat16 --config.mesh=data=-1,tensor=8.",
       flag_values=fv, lock_config=True, sys_argv=argv)
   if any(a in ("--help", "-h", "--helpfull", "-help") for a in argv[1:]):
-    print(usage(prog, doc, fv))
+    print(usage(doc, fv))
     raise SystemExit(0)
   if not _has_config(argv):
     raise flags.Error("--config is required, e.g. --config configs/dapo_qwen2_5_32b.py.")
@@ -131,8 +131,8 @@ def parse(prog: str, doc: str, argv: Sequence[str],
   return fv
 
 
-def usage(prog: str, doc: str, fv: flags.FlagValues) -> str:
-  return f"{prog}: {doc.strip()}\n\nflags:\n{fv.get_help(include_special_flags=False)}"
+def usage(doc: str, fv: flags.FlagValues) -> str:
+  return f"{doc.strip()}\n\nflags:\n{fv.get_help(include_special_flags=False)}"
 
 
 def workdir_default(argv: Sequence[str]) -> str:

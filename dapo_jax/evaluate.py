@@ -98,7 +98,7 @@ def _define(fv) -> None:
 
 
 def _parse(argv: Sequence[str]) -> flags.FlagValues:
-  return cli.parse("dapo-eval", __doc__.split("\n\n")[0], argv, _define, cli.workdir_default)
+  return cli.parse("dapo-eval", __doc__, argv, _define, cli.workdir_default)
 
 
 def _config_and_params(fv: flags.FlagValues, mesh: Mesh | None):

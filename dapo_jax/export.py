@@ -69,7 +69,7 @@ def export(config, workdir: str, out: str, *, step: int | None = None,
 
 
 def main(argv: Sequence[str]) -> str:
-  fv = cli.parse("dapo-export", __doc__.split("\n\n")[0], argv, _define, cli.workdir_default)
+  fv = cli.parse("dapo-export", __doc__, argv, _define, cli.workdir_default)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()

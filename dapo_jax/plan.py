@@ -363,7 +363,7 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
   argv = [f"--config.{a.split('=', 1)[1]}" if a.startswith("--set=") else a for a in argv]
   if old:
     print(f"dapo-plan: --set is deprecated; write --config.{old[0]}", file=sys.stderr)
-  return cli.parse("dapo-plan", __doc__.split("\n\n")[0], argv, _define)
+  return cli.parse("dapo-plan", __doc__, argv, _define)
 
 
 def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:

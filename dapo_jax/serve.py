@@ -278,36 +278,34 @@ def start_server(engine: Any, *, port: int, host: str = "127.0.0.1", threads: in
 
 
 def _define(fv) -> None:
-  d = functools.partial
-  d(flags.DEFINE_string, flag_values=fv)(
-      "workdir", None, "A dapo-train workdir: serve its Orbax checkpoint (its config.json names "
-      "the model); default: the HF directory --config.model.checkpoint.")
-  d(flags.DEFINE_integer, flag_values=fv)("step", None, "Orbax step (default: the newest).")
-  d(flags.DEFINE_integer, flag_values=fv)("port", 9000, "gRPC port.")
-  d(flags.DEFINE_string, flag_values=fv)("host", "127.0.0.1",
-                                         "Bind address (default: localhost only).")
-  d(flags.DEFINE_integer, flag_values=fv)("max_concurrent_decodes", 8, "Decode slots.")
-  d(flags.DEFINE_integer, flag_values=fv)(
-      "max_prefill_length", 1024, "Longest prompt: 16, 32, 64, ... (JetStream's prefill buckets).")
-  d(flags.DEFINE_integer, flag_values=fv)(
-      "max_new_tokens", 1024, "Decode capacity per request (the KV cache holds prompt + this).")
-  d(flags.DEFINE_float, flag_values=fv)("temperature", 0.0, "0 = greedy.")
-  d(flags.DEFINE_float, flag_values=fv)("top_p", 1.0, "Nucleus sampling mass.")
-  d(flags.DEFINE_integer, flag_values=fv)("top_k", 0, "Top-k sampling (0: off).")
-  d(flags.DEFINE_integer, flag_values=fv)("seed", 0, "Sampling seed.")
-  d(flags.DEFINE_integer, flag_values=fv)("threads", None, "gRPC worker threads.")
-  d(flags.DEFINE_integer, flag_values=fv)(
-      "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, "Largest request message gRPC accepts.")
-  d(flags.DEFINE_integer, flag_values=fv)(
-      "max_pending", None, "Requests in flight before new ones get RESOURCE_EXHAUSTED "
-      "(default: 8 x --max_concurrent_decodes).")
-  d(flags.DEFINE_string, flag_values=fv)(
-      "log_level", "WARNING", "Python logging level (INFO logs every JetStream generate step).")
+  """dapo-serve's own flags; model, dtype and mesh are `--config.x=y` (as dapo-train)."""
+  string, integer, real = (functools.partial(f, flag_values=fv) for f in (
+      flags.DEFINE_string, flags.DEFINE_integer, flags.DEFINE_float))
+  string("workdir", None, "A dapo-train workdir: serve its Orbax checkpoint (its config.json "
+         "names the model); default: the HF directory --config.model.checkpoint.")
+  integer("step", None, "Orbax step (default: the newest).")
+  integer("port", 9000, "gRPC port.")
+  string("host", "127.0.0.1", "Bind address (default: localhost only).")
+  integer("max_concurrent_decodes", 8, "Decode slots.")
+  integer("max_prefill_length", 1024,
+          "Longest prompt: 16, 32, 64, ... (JetStream's prefill buckets).")
+  integer("max_new_tokens", 1024,
+          "Decode capacity per request (the KV cache holds prompt + this).")
+  real("temperature", 0.0, "0 = greedy.")
+  real("top_p", 1.0, "Nucleus sampling mass.")
+  integer("top_k", 0, "Top-k sampling (0: off).")
+  integer("seed", 0, "Sampling seed.")
+  integer("threads", None, "gRPC worker threads.")
+  integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, "Largest request message gRPC accepts.")
+  integer("max_pending", None, "Requests in flight before new ones get RESOURCE_EXHAUSTED "
+          "(default: 8 x --max_concurrent_decodes).")
+  string("log_level", "WARNING",
+         "Python logging level (INFO logs every JetStream generate step).")
 
 
 def parse_args(argv: Sequence[str] | None):
   """The flags (`fv.config` is the run config, `fv.port` ...), parsed into fresh FlagValues."""
-  return cli.parse("dapo-serve", __doc__.split("\n\n")[0],
+  return cli.parse("dapo-serve", __doc__,
                    sys.argv[1:] if argv is None else argv, _define, cli.workdir_default)
 
 

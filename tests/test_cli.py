@@ -32,7 +32,7 @@ def test_help_of_the_other_commands_names_their_flags(capsys):
     plan_lib.main(["--help"])
   assert e.value.code == 0
   text = capsys.readouterr().out
-  assert text.startswith("dapo-plan: ") and "--target" in text and "--config.x=y" in text
+  assert text.startswith("``dapo-plan``") and "--target" in text and "--config.x=y" in text
 
 
 def test_mesh_overrides_and_home_expansion(monkeypatch, tmp_path):
