@@ -11,7 +11,8 @@ shaping**. Each section below plots one of them with the functions the trainer i
 '''
 
 RUNS_ON = r'''
-**Where it runs:** any runtime. The plots use small `jax.numpy` arrays on the default device; a CPU runtime is plenty.
+**Where it runs:** any runtime. The plots use small `jax.numpy` arrays on the default device; a
+CPU runtime is plenty.
 '''
 
 CELLS = [

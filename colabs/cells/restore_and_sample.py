@@ -16,7 +16,9 @@ It reads the run of `train_tiny_dapo.ipynb` when present, and otherwise trains a
 '''
 
 RUNS_ON = r'''
-**Where it runs:** any runtime; sized for a CPU one (seconds to a few minutes). On a Colab TPU or GPU runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` and the restore, sampling and evaluation run on the accelerator.
+**Where it runs:** any runtime; sized for a CPU one (seconds to a few minutes). On a Colab TPU
+or GPU runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` and the restore,
+sampling and evaluation run on the accelerator.
 '''
 
 CELLS = [
