@@ -34,11 +34,6 @@ class Policy(NamedTuple):
   def model(self):
     return nnx.merge(self.graphdef, self.params, self.rest)
 
-  @property
-  def state(self) -> nnx.State:
-    """``nnx.split(model)``'s single state, as ``Sampler.generate`` takes it."""
-    return nnx.split(self.model)[1]
-
 
 def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
   """``config.rollout_mesh`` (else ``config.mesh``) over every device; None on one device."""
