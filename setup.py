@@ -37,6 +37,7 @@ EXTRAS_REQUIRE = {
         "nbclient>=0.10",
         "nbformat>=5.10",
         "ipykernel>=6.29",
+        "ruff>=0.17.6,<0.18",  # launch/test.sh lints with it (rules in ruff.toml)
     ],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda": ["jax[cuda12]>=0.10.2,<0.11"],

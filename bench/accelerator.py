@@ -228,7 +228,7 @@ def torch_device() -> str | None:
   """'cuda' on an NVIDIA GPU, 'cpu' for the dry run, None when torch cannot run here."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
-    import transformers  # pylint: disable=g-import-not-at-top,unused-import
+    import transformers  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     return None
   if torch.cuda.is_available():
@@ -292,7 +292,6 @@ def torch_train(preset: str, args, device: str) -> dict:
         return dict(tokens_s=None, mb="OOM")
       mb //= 2
   seconds = statistics.median(_timed(lambda: step(ids, old, adv)) for _ in range(args.steps))
-  del model, opt
   return dict(tokens_s=mb * length / seconds, mb=mb)
 
 
@@ -311,7 +310,6 @@ def torch_generate(preset: str, batch: int, args, device: str) -> dict:
 
   run(4)  # warm-up
   seconds = _timed(lambda: run(args.new_tokens))
-  del model
   return dict(tokens_s=batch * args.new_tokens / seconds)
 
 

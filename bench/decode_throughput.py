@@ -179,9 +179,9 @@ def main():
           f"{pairs:.2f}x, {min(ts) / min(ours_t):.2f}x |")
   floor = min(times["floor: the decode's matmuls alone"])
   hf = min(min(ts) for name, ts in times.items() if name.startswith("transformers"))
-  print(f"\n3x the faster `generate` is {3 * b * r / hf:,.0f} tok/s; the matmul floor allows at most "
-        f"{b * r / floor:,.0f} tok/s on one device ({hf / floor:.2f}x `generate`); {ours!r} reaches "
-        f"{floor / min(ours_t):.0%} of the floor's speed.")
+  print(f"\n3x the faster `generate` is {3 * b * r / hf:,.0f} tok/s; the matmul floor allows at "
+        f"most {b * r / floor:,.0f} tok/s on one device ({hf / floor:.2f}x `generate`); {ours!r} "
+        f"reaches {floor / min(ours_t):.0%} of the floor's speed.")
 
   if args.wide_hidden:
     utilisation(args.wide_hidden, b, p, r, args.repeats)

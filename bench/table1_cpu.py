@@ -44,7 +44,7 @@ def main() -> None:
   p.add_argument("extra", nargs="*", help="extra --config.x=y flags for every run")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
-  print(f"| variant | held-out avg@4 before RL | after RL | gain (points) | seeds |")
+  print("| variant | held-out avg@4 before RL | after RL | gain (points) | seeds |")
   print("|---|---|---|---|---|")
   for variant in args.variants.split(","):
     res = [run_one(variant, s, args.out, args.extra) for s in seeds]

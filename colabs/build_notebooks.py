@@ -19,8 +19,8 @@ import nbformat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import cells  # pylint: disable=g-import-not-at-top,wrong-import-position
-from cells import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import cells  # noqa: E402  # pylint: disable=g-import-not-at-top,wrong-import-position
+from cells import common  # noqa: E402  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 

@@ -1,6 +1,6 @@
 # dapo-train --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b \
 #     --config.model.checkpoint=/path/to/Qwen2.5-32B
-"""DAPO on Qwen2.5-32B base: the paper's settings exactly (DAPO_SPEC.md section 8).
+"""DAPO on Qwen2.5-32B base: the paper's settings exactly (docs/algorithm.md section 8).
 
 Variants reproduce the rows of the paper's Table 1 (AIME24 avg@32, each row adds one technique):
   :naive_grpo          30  symmetric clip 0.2, seq-mean-token-mean, no dynamic sampling, no shaping

@@ -1,4 +1,4 @@
-# bash launch/local_cpu.sh     (= dapo-train --config configs/tiny_cpu.py --workdir workdirs/tiny_cpu)
+# bash launch/local_cpu.sh   (= dapo-train --config configs/tiny_cpu.py --workdir workdirs/tiny_cpu)
 """The CPU main job: a tiny Qwen2-architecture policy learns arithmetic with DAPO.
 
 A char-level tokenizer, a ~1M-parameter Qwen2 decoder, a short supervised warm start on worked

@@ -1,7 +1,7 @@
 """The run configuration schema: every field a DAPO run reads, with the paper's defaults.
 
 Config files in ``configs/`` start from ``default_config()`` and override fields; the CLI
-overrides leaves with ``--config.x=y``. Values follow DAPO_SPEC.md (section numbers cited).
+overrides leaves with ``--config.x=y``. Values follow docs/algorithm.md ("spec N" = its section N).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The DAPO objective: group advantages, clipped policy loss, loss aggregation.
 
 Pure `jax.numpy`; no model code. Spec sections 3 (advantage) and 4 (loss).
-Shape suffixes: B sequences, T response tokens, V vocabulary.
+Shape suffixes (docs/shapes.md): B sequences, R response tokens, Q prompt groups.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def compute_grpo_outcome_advantage(scores: ArrayLike,
     norm_adv_by_std: False gives Dr.GRPO's mean-centred advantage.
 
   Returns:
-    [B] float32 advantages; see `broadcast_to_tokens` for [B, T].
+    [B] float32 advantages; see `broadcast_to_tokens` for [B, R].
   """
   scores_B = jnp.asarray(scores, jnp.float32)
   ids_B = jnp.asarray(group_ids)
@@ -130,28 +130,28 @@ def compute_grpo_outcome_advantage(scores: ArrayLike,
                      f"[{concrete_ids.min()}, {concrete_ids.max()}].")
 
   seg_sum = lambda x: jax.ops.segment_sum(x, ids_B, num_segments=num_groups)
-  count_G = seg_sum(jnp.ones_like(scores_B))
-  mean_G = seg_sum(scores_B) / jnp.maximum(count_G, 1.0)
+  count_Q = seg_sum(jnp.ones_like(scores_B))
+  mean_Q = seg_sum(scores_B) / jnp.maximum(count_Q, 1.0)
   # Two-pass variance: stable for rewards with a large common offset.
-  sq_dev_G = seg_sum(jnp.square(scores_B - mean_G[ids_B]))
+  sq_dev_Q = seg_sum(jnp.square(scores_B - mean_Q[ids_B]))
   # Unbiased std (ddof=1), as torch.std in verl; jnp.std would use ddof=0.
-  std_G = jnp.sqrt(sq_dev_G / jnp.maximum(count_G - 1.0, 1.0))
+  std_Q = jnp.sqrt(sq_dev_Q / jnp.maximum(count_Q - 1.0, 1.0))
   # A singleton group has no spread to normalise by: mean 0, std 1 (spec 3).
-  singleton_G = count_G <= 1.0
-  mean_G = jnp.where(singleton_G, 0.0, mean_G)
-  std_G = jnp.where(singleton_G, 1.0, std_G)
+  singleton_Q = count_Q <= 1.0
+  mean_Q = jnp.where(singleton_Q, 0.0, mean_Q)
+  std_Q = jnp.where(singleton_Q, 1.0, std_Q)
 
-  centred_B = scores_B - mean_G[ids_B]
+  centred_B = scores_B - mean_Q[ids_B]
   if not norm_adv_by_std:
     return centred_B
-  return centred_B / (std_G[ids_B] + epsilon)
+  return centred_B / (std_Q[ids_B] + epsilon)
 
 
 def broadcast_to_tokens(advantages_B: ArrayLike,
-                        response_mask_BxT: ArrayLike) -> Array:
-  """[B] advantages -> [B, T], zero outside the response mask (spec 3)."""
+                        response_mask_BxR: ArrayLike) -> Array:
+  """[B] advantages -> [B, R], zero outside the response mask (spec 3)."""
   adv_B = jnp.asarray(advantages_B, jnp.float32)
-  return adv_B[:, None] * jnp.asarray(response_mask_BxT, jnp.float32)
+  return adv_B[:, None] * jnp.asarray(response_mask_BxR, jnp.float32)
 
 
 # ----------------------------------------------------------------------------
@@ -166,21 +166,21 @@ def masked_mean(x: ArrayLike, mask: ArrayLike) -> Array:
   return total / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _seq_valid_B(loss_mask_BxT: Array) -> Array:
+def _seq_valid_B(loss_mask_BxR: Array) -> Array:
   # A fully masked row (padding, or a response removed by overlong filtering)
   # is not a sequence: it counts in no denominator.
-  return (jnp.sum(loss_mask_BxT, axis=-1) > 0).astype(jnp.float32)
+  return (jnp.sum(loss_mask_BxR, axis=-1) > 0).astype(jnp.float32)
 
 
-def _agg_numerator(loss_BxT: Array, mask_BxT: Array, mode: str) -> Array:
+def _agg_numerator(loss_BxR: Array, mask_BxR: Array, mode: str) -> Array:
   """The part of each mode that is additive over micro-batches."""
   if mode == SEQ_MEAN_TOKEN_MEAN:
-    tokens_B = jnp.sum(mask_BxT, axis=-1)
-    seq_mean_B = jnp.sum(loss_BxT * mask_BxT, axis=-1) / jnp.maximum(
+    tokens_B = jnp.sum(mask_BxR, axis=-1)
+    seq_mean_B = jnp.sum(loss_BxR * mask_BxR, axis=-1) / jnp.maximum(
         tokens_B, 1.0)
     return jnp.sum(seq_mean_B)  # empty rows contribute 0 / 1 = 0.
   # token-mean, seq-mean-token-sum and Dr.GRPO all sum every masked token.
-  return jnp.sum(loss_BxT * mask_BxT)
+  return jnp.sum(loss_BxR * mask_BxR)
 
 
 def loss_denominator(response_mask: ArrayLike, loss_agg_mode: str,
@@ -191,9 +191,9 @@ def loss_denominator(response_mask: ArrayLike, loss_agg_mode: str,
   of that mini-batch: the micro-batch losses then SUM to the full-batch loss.
 
   Args:
-    response_mask: [B, T] mask of the whole mini-batch.
+    response_mask: [B, R] mask of the whole mini-batch.
     loss_agg_mode: one of LOSS_AGG_MODES.
-    max_response_length: T_max of Dr.GRPO; defaults to the mask's T.
+    max_response_length: T_max of Dr.GRPO; defaults to the mask's R.
 
   Returns:
     Scalar float32: response tokens (token-mean); sequences with at least one
@@ -204,13 +204,13 @@ def loss_denominator(response_mask: ArrayLike, loss_agg_mode: str,
                       max_response_length)
 
 
-def _denominator(mask_BxT: Array, mode: str,
+def _denominator(mask_BxR: Array, mode: str,
                  max_response_length: int | None = None) -> Array:
   if mode == TOKEN_MEAN:
-    return jnp.sum(mask_BxT)
-  num_seqs = jnp.sum(_seq_valid_B(mask_BxT))
+    return jnp.sum(mask_BxR)
+  num_seqs = jnp.sum(_seq_valid_B(mask_BxR))
   if mode == SEQ_MEAN_TOKEN_SUM_NORM:
-    t_max = mask_BxT.shape[-1] if max_response_length is None else (
+    t_max = mask_BxR.shape[-1] if max_response_length is None else (
         max_response_length)
     return num_seqs * float(t_max)
   return num_seqs
@@ -220,11 +220,11 @@ def agg_loss(loss_mat: ArrayLike,
              loss_mask: ArrayLike,
              loss_agg_mode: str = TOKEN_MEAN,
              loss_denominator: ArrayLike | None = None) -> Array:
-  """Reduces a [B, T] per-token loss to a scalar (spec 4 table).
+  """Reduces a [B, R] per-token loss to a scalar (spec 4 table).
 
   Args:
-    loss_mat: [B, T] per-token loss.
-    loss_mask: [B, T] response mask.
+    loss_mat: [B, R] per-token loss.
+    loss_mask: [B, R] response mask.
     loss_agg_mode: 'token-mean' (DAPO), 'seq-mean-token-mean' (GRPO),
       'seq-mean-token-sum', 'seq-mean-token-sum-norm' (Dr.GRPO).
     loss_denominator: the whole mini-batch's normaliser (see the function
@@ -235,18 +235,18 @@ def agg_loss(loss_mat: ArrayLike,
     Scalar float32 loss.
   """
   validate_loss_agg_mode(loss_agg_mode)
-  loss_BxT = jnp.asarray(loss_mat, jnp.float32)
-  mask_BxT = jnp.asarray(loss_mask, jnp.float32)
-  if loss_BxT.shape != mask_BxT.shape or loss_BxT.ndim != 2:
-    raise ValueError(f"loss_mat and loss_mask must both be [B, T]; got "
-                     f"{loss_BxT.shape} and {mask_BxT.shape}.")
+  loss_BxR = jnp.asarray(loss_mat, jnp.float32)
+  mask_BxR = jnp.asarray(loss_mask, jnp.float32)
+  if loss_BxR.shape != mask_BxR.shape or loss_BxR.ndim != 2:
+    raise ValueError(f"loss_mat and loss_mask must both be [B, R]; got "
+                     f"{loss_BxR.shape} and {mask_BxR.shape}.")
   if loss_denominator is None:
-    den = _denominator(mask_BxT, loss_agg_mode)
+    den = _denominator(mask_BxR, loss_agg_mode)
   else:
     den = jnp.asarray(loss_denominator, jnp.float32)
   # An empty batch yields 0, not NaN.
   den = jnp.where(den > 0, den, 1.0)
-  return _agg_numerator(loss_BxT, mask_BxT, loss_agg_mode) / den
+  return _agg_numerator(loss_BxR, mask_BxR, loss_agg_mode) / den
 
 
 def verl_microbatch_weight(response_mask: ArrayLike,
@@ -256,8 +256,8 @@ def verl_microbatch_weight(response_mask: ArrayLike,
   Sequences are counted as in `loss_denominator` (rows with a response token);
   `total_num_sequences` is that count over the whole mini-batch.
   """
-  mask_BxT = jnp.asarray(response_mask, jnp.float32)
-  return jnp.sum(_seq_valid_B(mask_BxT)) / jnp.asarray(total_num_sequences,
+  mask_BxR = jnp.asarray(response_mask, jnp.float32)
+  return jnp.sum(_seq_valid_B(mask_BxR)) / jnp.asarray(total_num_sequences,
                                                        jnp.float32)
 
 
@@ -294,10 +294,10 @@ def compute_policy_loss(
   """Clip-Higher PPO loss with dual clip (spec 4).
 
   Args:
-    old_log_prob: [B, T] log-probs of the rollout policy (no gradient).
-    log_prob: [B, T] log-probs of the current policy.
-    advantages: [B] or [B, T].
-    response_mask: [B, T].
+    old_log_prob: [B, R] log-probs of the rollout policy (no gradient).
+    log_prob: [B, R] log-probs of the current policy.
+    advantages: [B] or [B, R].
+    response_mask: [B, R].
     clip_ratio_low: eps_low; ratio clipped below at 1 - eps_low.
     clip_ratio_high: eps_high; ratio clipped above at 1 + eps_high.
     clip_ratio_c: dual-clip bound; caps the loss at -A * c where A < 0.
@@ -311,34 +311,34 @@ def compute_policy_loss(
   """
   validate_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
   validate_loss_agg_mode(loss_agg_mode)
-  old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_log_prob, jnp.float32))
-  logp_BxT = jnp.asarray(log_prob, jnp.float32)
-  mask_BxT = jnp.asarray(response_mask, jnp.float32)
+  old_logp_BxR = jax.lax.stop_gradient(jnp.asarray(old_log_prob, jnp.float32))
+  logp_BxR = jnp.asarray(log_prob, jnp.float32)
+  mask_BxR = jnp.asarray(response_mask, jnp.float32)
   adv = jnp.asarray(advantages, jnp.float32)
-  adv_BxT = adv[:, None] if adv.ndim == 1 else adv
-  adv_BxT = jnp.broadcast_to(adv_BxT, logp_BxT.shape)
+  adv_BxR = adv[:, None] if adv.ndim == 1 else adv
+  adv_BxR = jnp.broadcast_to(adv_BxR, logp_BxR.shape)
 
-  log_ratio_BxT = jnp.clip(logp_BxT - old_logp_BxT, -_MAX_LOG_RATIO,
+  log_ratio_BxR = jnp.clip(logp_BxR - old_logp_BxR, -_MAX_LOG_RATIO,
                            _MAX_LOG_RATIO)
-  ratio_BxT = jnp.exp(log_ratio_BxT)
-  pg1_BxT = -adv_BxT * ratio_BxT
+  ratio_BxR = jnp.exp(log_ratio_BxR)
+  pg1_BxR = -adv_BxR * ratio_BxR
   # Decoupled clip range: Clip-Higher (spec 1, 4).
-  pg2_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - clip_ratio_low,
+  pg2_BxR = -adv_BxR * jnp.clip(ratio_BxR, 1.0 - clip_ratio_low,
                                 1.0 + clip_ratio_high)
-  clipped_BxT = jnp.maximum(pg1_BxT, pg2_BxT)
+  clipped_BxR = jnp.maximum(pg1_BxR, pg2_BxR)
   # Dual clip, only where A < 0: bounds the loss of a token whose ratio blew
   # up, at -A * c (spec 4).
-  pg3_BxT = -adv_BxT * clip_ratio_c
-  neg_adv_BxT = adv_BxT < 0
-  loss_BxT = jnp.where(neg_adv_BxT, jnp.minimum(clipped_BxT, pg3_BxT),
-                       clipped_BxT)
+  pg3_BxR = -adv_BxR * clip_ratio_c
+  neg_adv_BxR = adv_BxR < 0
+  loss_BxR = jnp.where(neg_adv_BxR, jnp.minimum(clipped_BxR, pg3_BxR),
+                       clipped_BxR)
 
-  loss = agg_loss(loss_BxT, mask_BxT, loss_agg_mode, loss_denominator)
+  loss = agg_loss(loss_BxR, mask_BxR, loss_agg_mode, loss_denominator)
   metrics = {
-      "pg_clipfrac": masked_mean(pg2_BxT > pg1_BxT, mask_BxT),
+      "pg_clipfrac": masked_mean(pg2_BxR > pg1_BxR, mask_BxR),
       "pg_clipfrac_lower": masked_mean(
-          (clipped_BxT > pg3_BxT) & neg_adv_BxT, mask_BxT),
-      "ppo_kl": masked_mean(-log_ratio_BxT, mask_BxT),
+          (clipped_BxR > pg3_BxR) & neg_adv_BxR, mask_BxR),
+      "ppo_kl": masked_mean(-log_ratio_BxR, mask_BxR),
   }
   return loss, metrics
 
@@ -353,13 +353,13 @@ def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,
   """Per-token KL estimate of the policy from a reference (DAPO: unused).
 
   Args:
-    log_prob: [B, T] current policy log-probs.
-    ref_log_prob: [B, T] reference policy log-probs.
+    log_prob: [B, R] current policy log-probs.
+    ref_log_prob: [B, R] reference policy log-probs.
     kind: 'k1'/'kl' (logp - ref), 'k3'/'low_var_kl' (Schulman's unbiased,
       non-negative estimator, clamped to [-10, 10]) or 'mse' (0.5 diff^2).
 
   Returns:
-    [B, T] penalty.
+    [B, R] penalty.
   """
   logp = jnp.asarray(log_prob, jnp.float32)
   ref = jnp.asarray(ref_log_prob, jnp.float32)
@@ -392,13 +392,13 @@ def apply_overlong_filter(response_mask: ArrayLike,
   """Zeros the loss mask of truncated responses (overlong filtering, spec 2).
 
   Args:
-    response_mask: [B, T].
+    response_mask: [B, R].
     truncated: [B] bool, True where the response hit max_response_length
       without EOS.
 
   Returns:
-    [B, T] mask, same dtype as `response_mask`.
+    [B, R] mask, same dtype as `response_mask`.
   """
-  mask_BxT = jnp.asarray(response_mask)
+  mask_BxR = jnp.asarray(response_mask)
   keep_B = jnp.logical_not(jnp.asarray(truncated, jnp.bool_))
-  return mask_BxT * keep_B[:, None].astype(mask_BxT.dtype)
+  return mask_BxR * keep_B[:, None].astype(mask_BxR.dtype)

@@ -45,7 +45,7 @@ from dapo_jax.models import Qwen2Config, abstract_model, get_preset
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.train_step import (TrainBatch, TrainState, TrainStep, make_optimizer,
-                                 master_params, tree_shardings)
+                                 master_params)
 
 GiB = 1024**3
 
@@ -201,7 +201,7 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
                      advantages=sds((rows,), jnp.float32),
                      truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None)
   compiled, oom, seconds = _compile(TrainStep(graphdef, tcfg, mesh).lower(state, batch))
-  sh = tree_shardings(state, mesh, shd.TRAIN_RULES)
+  sh = shd.state_shardings(state, mesh, shd.TRAIN_RULES)
   batch_sh = jax.tree.map(lambda x: shd.batch_sharding(mesh, shd.TRAIN_RULES, x.ndim, x.shape[0]),
                           batch)
   parts = {"params": shd.per_device_bytes(params, sh.params),

@@ -13,14 +13,13 @@ import ml_collections
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
-from dapo_jax.char_tokenizer import CharTokenizer
 from dapo_jax.checkpoints.hf import load_pretrained
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
 from dapo_jax.data.records import MathRecord
 from dapo_jax.models import Qwen2Config, attention, cast_params, create_model, get_preset
 from dapo_jax.rollout.sampling import SamplingParams
-from dapo_jax.tokenizer import load_tokenizer
+from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
 from dapo_jax.train_step import TrainConfig
 
 _log = logging.getLogger(__name__)

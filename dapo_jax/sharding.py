@@ -120,9 +120,12 @@ def _is_var(x: Any) -> bool:
 
 
 def state_specs(state: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
-  """PartitionSpecs for an ``nnx.State`` (abstract or concrete), from ``logical_axes``."""
+  """PartitionSpecs for a pytree of ``nnx.Variable``s (abstract or concrete) from their
+  ``logical_axes``; leaves that are not Variables (optax step counts, ...) are replicated."""
 
   def spec(v):
+    if not _is_var(v):
+      return PartitionSpec()
     names = v.get_metadata().get("logical_axes")
     if names is None:
       return v.replace(PartitionSpec())
@@ -132,7 +135,8 @@ def state_specs(state: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
-  """NamedShardings for an ``nnx.State`` (as a pytree of the same structure)."""
+  """NamedShardings for a pytree of an ``nnx.State``, its optax moments or any mix of Variables
+  and plain leaves (same structure); the one tree-sharding helper of the package."""
   specs = state_specs(state, rules, mesh)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 

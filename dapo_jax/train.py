@@ -251,8 +251,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
       metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
-      metrics.update(exp.rollout_metrics(traj, max_response_length=config.rollout.max_response_length,
-                                         buffer_len=config.reward.overlong_buffer_len))
+      metrics.update(exp.rollout_metrics(
+          traj, max_response_length=config.rollout.max_response_length,
+          buffer_len=config.reward.overlong_buffer_len))
       metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
       if not config.rollout.use_sampler_logprobs:
         # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the

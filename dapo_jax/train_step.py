@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dapo_jax import objective as obj
 from dapo_jax import sharding as shd
 from dapo_jax.logprobs import forward_log_probs, response_log_probs, split_micro
-from dapo_jax.models import cast_params, default_positions
+from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests use ts.cast_params)
+from dapo_jax.tracing import TraceCounter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,22 +118,6 @@ def lr_at(cfg: TrainConfig, rollout_step: jax.Array | int) -> jax.Array:
   return cfg.lr * jnp.clip(num / cfg.warmup_steps, 0.0, 1.0)
 
 
-def _is_var(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
-def tree_shardings(tree: Any, mesh: Mesh, rules: shd.Rules) -> Any:
-  """NamedShardings from `logical_axes` (params and their optax moments); others replicated."""
-  def one(x):
-    if _is_var(x):
-      names = x.get_metadata().get("logical_axes")
-      spec = PartitionSpec() if names is None else shd.logical_to_spec(
-          names, rules, x.get_value().shape, mesh)
-      return x.replace(NamedSharding(mesh, spec))
-    return NamedSharding(mesh, PartitionSpec())
-  return jax.tree.map(one, tree, is_leaf=_is_var)
-
-
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """optax.adamw without its learning rate, which `train_step` applies per rollout step.
 
@@ -169,14 +154,14 @@ def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = No
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if any(_below_master(x, cfg) for x in jax.tree.leaves(params)):
     cast = functools.partial(master_params, cfg=cfg)
-    out = None if mesh is None else tree_shardings(jax.eval_shape(cast, params), mesh, rules)
+    out = None if mesh is None else shd.state_shardings(jax.eval_shape(cast, params), mesh, rules)
     params = jax.jit(cast, out_shardings=out)(params)
   init = make_optimizer(cfg).init
   if mesh is None:
     opt_state = jax.jit(init)(params)
   else:
     abstract = jax.eval_shape(init, params)
-    opt_state = jax.jit(init, out_shardings=tree_shardings(abstract, mesh, rules))(params)
+    opt_state = jax.jit(init, out_shardings=shd.state_shardings(abstract, mesh, rules))(params)
   # Two distinct buffers: donation rejects one buffer passed twice.
   return graphdef, TrainState(params, rest, opt_state, jnp.zeros((), jnp.int32),
                               jnp.zeros((), jnp.int32))
@@ -335,7 +320,7 @@ class _Compiled:
 
   def __init__(self, mesh: Mesh | None, rules: shd.Rules):
     self.mesh, self.rules = mesh, rules
-    self.num_traces = 0  # traces of this object's functions; tests assert no retrace
+    self.traces = TraceCounter()  # traces of this object's functions; tests assert no retrace
     self._jits: dict[Any, Any] = {}
 
   def _batch_shardings(self, tree: Any) -> Any:
@@ -345,7 +330,7 @@ class _Compiled:
   def _traced(self, fn):
     """Runs `fn` with activation constraints on (they apply at trace time)."""
     def wrapped(*args):
-      self.num_traces += 1
+      self.traces.record()
       with shd.activation_sharding(self.mesh, self.rules):
         return fn(*args)
     return wrapped
@@ -367,7 +352,7 @@ class TrainStep(_Compiled):
       if self.mesh is None:
         self._jits[key] = jax.jit(self._traced(fn), donate_argnums=0)
       else:
-        state_sh = tree_shardings(state, self.mesh, self.rules)
+        state_sh = shd.state_shardings(state, self.mesh, self.rules)
         fn = functools.partial(fn, param_shardings=state_sh.params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self._jits[key] = jax.jit(
@@ -419,8 +404,8 @@ class LogProbForward(_Compiled):
         out = shd.batch_sharding(self.mesh, self.rules, 2, input_ids_BxL.shape[0])
         self._jits[key] = jax.jit(
             self._traced(fn),
-            in_shardings=(tree_shardings(params, self.mesh, self.rules),
-                          tree_shardings(self.rest, self.mesh, self.rules),
+            in_shardings=(shd.state_shardings(params, self.mesh, self.rules),
+                          shd.state_shardings(self.rest, self.mesh, self.rules),
                           *self._batch_shardings(rows)),
             out_shardings=(out, out))
     if self.mesh is not None:

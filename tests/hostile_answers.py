@@ -111,7 +111,7 @@ def _tex_macros(rng: random.Random, _: str) -> str:
                                      range(1, levels))
   form = rng.choice((
       f"Answer: ${defs}\\a{levels - 1}$",
-      f"Answer: \\newcommand{{\\b}}[1]{{#1#1}}" + "\\b{" * levels + "1" + "}" * levels,
+      "Answer: \\newcommand{\\b}[1]{#1#1}" + "\\b{" * levels + "1" + "}" * levels,
       f"Answer: \\expandafter\\csname a{levels}\\endcsname",
       "Answer: \\input{/etc/passwd}", "Answer: \\include{/dev/zero}",
       f"Answer: \\begin{{pmatrix}}{'&'.join(['1'] * levels)}\\\\" * 3 + "\\end{pmatrix}",

@@ -7,7 +7,7 @@ import functools
 import shutil
 import tempfile
 
-from dapo_jax.tokenizer import CharTokenizer
+from dapo_jax.tokenizers import CharTokenizer
 from tests import hf_fixtures
 
 

@@ -10,9 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position
+import accelerator  # noqa: E402  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from dapo_jax.models import get_preset  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.models import get_preset  # noqa: E402  # pylint: disable=wrong-import-position
 
 
 def test_dry_run_prints_one_full_table(capsys):

@@ -30,7 +30,7 @@ def test_config_loads_validates_and_names_its_command(path):
 
 def test_32b_config_matches_the_paper_table():
   c = _load(os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py")).get_config()
-  expected = {  # DAPO_SPEC.md section 8 (and sections 1, 2, 6)
+  expected = {  # docs/algorithm.md section 8 (and sections 1, 2, 6)
       "model.preset": "qwen2.5-32b",
       "optim.train_batch_size": 512, "rollout.n": 16,
       "algorithm.gen_batch_size": 1536, "algorithm.max_num_gen_batches": 10,

@@ -90,9 +90,9 @@ def test_matches_per_request_greedy_with_budgets_and_refill(split_model, referen
   assert stats.busy_slot_steps == int(lengths.sum()) - len(requests)  # prefill made the first
 
   # Same shapes again: nothing retraces. Reversed order: same per-request results.
-  traces = dict(continuous.TRACE_COUNTS)
+  traces = continuous.TRACES.snapshot()
   again = sampler.run(state, requests, jax.random.key(0), params)
-  assert dict(continuous.TRACE_COUNTS) == traces
+  assert continuous.TRACES.snapshot() == traces
   np.testing.assert_array_equal(again.response_ids, batch.response_ids)
   reverse = sampler.run(state, requests[::-1], jax.random.key(0), params)
   np.testing.assert_array_equal(np.asarray(reverse.response_ids)[::-1], batch.response_ids)

@@ -100,9 +100,9 @@ def test_rows_go_through_the_same_loaders(tmp_path):
 
 def test_prompts_and_responses_fit_the_char_tokenizer():
   try:
-    char_tokenizer = importlib.import_module("dapo_jax.char_tokenizer")
+    char_tokenizer = importlib.import_module("dapo_jax.tokenizers.char_tokenizer")
   except ImportError:
-    pytest.skip("dapo_jax.char_tokenizer not written yet")
+    pytest.skip("dapo_jax.tokenizers.char_tokenizer not written yet")
   tok = char_tokenizer.CharTokenizer()
   for r in arithmetic.make_records(100, seed=6, config=HARD):
     for text in (r.prompt, reference_response(r)):

@@ -71,9 +71,9 @@ def test_render_prompt_keeps_the_official_aime_text_exactly():
 
 def test_render_prompt_with_the_project_char_tokenizer():
   try:
-    from dapo_jax import char_tokenizer  # pylint: disable=g-import-not-at-top
+    from dapo_jax.tokenizers import char_tokenizer  # pylint: disable=g-import-not-at-top
   except ImportError:
-    pytest.skip("dapo_jax.char_tokenizer not written yet")
+    pytest.skip("dapo_jax.tokenizers.char_tokenizer not written yet")
   from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
   tok = char_tokenizer.CharTokenizer()
   record = arithmetic.make_records(1, seed=0)[0]

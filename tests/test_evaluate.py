@@ -8,9 +8,9 @@ import pytest
 
 from dapo_jax import config as config_lib
 from dapo_jax import evaluate
-from dapo_jax.char_tokenizer import CharTokenizer
 from dapo_jax.data import arithmetic
 from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.tokenizers import CharTokenizer
 
 
 def _scripted_rollout(tokenizer, answers_per_prompt, width=16):

@@ -11,7 +11,7 @@ import pytest
 
 from dapo_jax import export
 from dapo_jax import policy as policy_lib
-from dapo_jax.char_tokenizer import CharTokenizer
+from dapo_jax.tokenizers import CharTokenizer
 from tests import test_train_e2e
 
 pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ from dapo_jax import serve  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampler import generate  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
-from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
 from tests import rollout_fixtures  # pylint: disable=g-import-not-at-top
 
 R = 12  # decode capacity of the test engines
@@ -98,7 +98,7 @@ def test_no_retrace_across_calls_and_engines(model):
   state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n), state,
                         slot=1)
   state, _ = engine.generate(params, state)
-  before = dict(je.TRACE_COUNTS)
+  before = je.TRACES.snapshot()
   other = _engine(dapo_jax.load_pretrained(rollout_fixtures.tiny_checkpoint()))
   state2 = other.init_decode_state()
   for slot, prompt in enumerate([NEIGHBOUR, PROMPT[:3], [5] * 15]):  # one bucket: 16
@@ -110,7 +110,7 @@ def test_no_retrace_across_calls_and_engines(model):
     for _ in range(2):
       state, _ = engine.generate(params, state)
       state2, _ = other.generate(other.load_params(), state2)
-  assert dict(je.TRACE_COUNTS) == before
+  assert je.TRACES.snapshot() == before
 
 
 def _decode(stub, request):

@@ -65,7 +65,7 @@ def _spawn(ckpt, out, local_devices, env_extra):
 @pytest.mark.slow
 def test_two_processes_evaluate_like_one(tmp_path):
   pytest.importorskip("torch")
-  from dapo_jax.char_tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import CharTokenizer  # pylint: disable=g-import-not-at-top
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
   ckpt = hf_fixtures.write_tiny_qwen2(str(tmp_path / "ckpt"), vocab_size=64,
                                       num_key_value_heads=4, seed=5)

@@ -154,7 +154,7 @@ def test_clipfrac_metrics_on_hand_built_tokens():
       -np.log(ratio[0, :5]).mean(), rel=1e-5)
   per_token = [-1.28, -0.5, 0.8, 10.0, 1.1]
   assert float(loss) == pytest.approx(np.mean(per_token), rel=1e-5)
-  # [B] advantages broadcast like [B, T].
+  # [B] advantages broadcast like [B, R].
   loss_b, _ = obj.compute_policy_loss(jnp.zeros_like(logp), logp,
                                       jnp.array([1.0]), mask)
   loss_bt, _ = obj.compute_policy_loss(jnp.zeros_like(logp), logp,

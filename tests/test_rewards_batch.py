@@ -1,4 +1,4 @@
-"""Batch rewards (DAPO_SPEC section 2): overlong shaping closed forms, failures, ordering."""
+"""Batch rewards (docs/algorithm.md section 2): overlong shaping closed forms, failures, order."""
 import time
 
 import numpy as np

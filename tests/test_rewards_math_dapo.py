@@ -1,4 +1,4 @@
-"""Strict DAPO reward (DAPO_SPEC section 2): the table pins verl's behaviour, quirks included."""
+"""Strict DAPO reward (docs/algorithm.md section 2): the table pins verl's behaviour and quirks."""
 import pytest
 
 from dapo_jax.rewards import math_dapo

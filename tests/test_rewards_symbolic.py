@@ -1,4 +1,4 @@
-"""Symbolic verifier (DAPO_SPEC section 2 option): math-verify equivalence, hard time bounds."""
+"""Symbolic verifier (docs/algorithm.md section 2): math-verify equivalence, hard time bounds."""
 import os
 import time
 

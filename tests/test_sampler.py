@@ -163,7 +163,7 @@ def test_reproducible_independent_and_compiled_once(model, prompts):
   b = jax.device_get(sampler.generate(state, ids, mask, jax.random.key(7), params, num_samples=4))
   c = jax.device_get(sampler.generate(state, ids[::-1].copy(), mask[::-1].copy(),
                                       jax.random.key(8), params, num_samples=4))
-  assert sampler.trace_count == 1, "same shapes must not retrace"
+  assert sampler.traces.total == 1, "same shapes must not retrace"
   np.testing.assert_array_equal(a.response_ids, b.response_ids)
   np.testing.assert_array_equal(a.logprobs, b.logprobs)
   assert not np.array_equal(a.response_ids, c.response_ids)
@@ -174,7 +174,7 @@ def test_reproducible_independent_and_compiled_once(model, prompts):
   # A new shape compiles once more, then is cached too.
   sampler.generate(state, ids[:2], mask[:2], jax.random.key(7), params, num_samples=4)
   sampler.generate(state, ids[2:], mask[2:], jax.random.key(9), params, num_samples=4)
-  assert sampler.trace_count == 2
+  assert sampler.traces.total == 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -11,7 +11,7 @@ from flax import nnx
 from dapo_jax import cli
 from dapo_jax import evaluate
 from dapo_jax import policy as policy_lib
-from dapo_jax.char_tokenizer import CharTokenizer
+from dapo_jax.tokenizers import CharTokenizer
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic
 

@@ -9,9 +9,9 @@ import unicodedata
 import jinja2
 import pytest
 
-from dapo_jax import chat_templates
-from dapo_jax import qwen_vocab
-from dapo_jax import tokenizer as tok_lib
+from dapo_jax.tokenizers import chat_templates
+from dapo_jax.tokenizers import qwen_vocab
+from dapo_jax.tokenizers import tokenizer as tok_lib
 
 
 DAPO_PROMPT = (

@@ -180,12 +180,12 @@ def test_sharded_step_matches_single_device(setup, single_device_run, axes):
   mesh = shd.make_mesh(axes)
   step = ts.TrainStep(setup["graphdef"], cfg, mesh)
   state = _fresh(setup["state"])
-  state = jax.device_put(state, ts.tree_shardings(state, mesh, shd.TRAIN_RULES))
+  state = jax.device_put(state, shd.state_shardings(state, mesh, shd.TRAIN_RULES))
   batch = jax.device_put(setup["batch"], shd.batch_sharding(mesh, shd.TRAIN_RULES, 1, B))
-  traces = step.num_traces
+  traces = step.traces.total
   for s in range(2):
     state, metrics = step(state, setup["batch"] if s else batch, s)
-  assert step.num_traces == traces + 1, "the second call retraced"
+  assert step.traces.total == traces + 1, "the second call retraced"
   q_kernel = state.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
   assert "fsdp" in str(q_kernel.get_value().sharding.spec)
   for k in ("loss", "grad_norm", "pg_clipfrac", "entropy", "num_tokens"):
@@ -205,7 +205,7 @@ def test_non_finite_batch_skips_the_update(setup):
   nan_adv = batch.replace(advantages=batch.advantages.at[3].set(jnp.nan))
   inf_logp = batch.replace(old_log_probs=batch.old_log_probs.at[0, 2].set(-jnp.inf))
   before = _host(state)
-  traces = step.num_traces
+  traces = step.traces.total
   for i, bad in enumerate((nan_adv, inf_logp)):
     state, m = step(state, bad, 0)
     assert float(m["skipped"]) == 1.0 and int(state.num_skipped) == i + 1
@@ -219,7 +219,7 @@ def test_non_finite_batch_skips_the_update(setup):
   assert np.isfinite(float(m["loss"]))
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), _host(state.params), before.params)
   assert all(jax.tree.leaves(changed)[:3])
-  assert step.num_traces <= traces + 1, "poisoned values must not change the compiled step"
+  assert step.traces.total <= traces + 1, "poisoned values must not change the compiled step"
 
 
 def test_updates_follow_the_advantage_sign(setup):

@@ -3,11 +3,12 @@
 TITLE = r'''
 # The DAPO objective, made visible
 
-DAPO (arXiv 2503.14476) changes four things in GRPO and drops the KL term (`DAPO_SPEC.md`
-section 1): **Clip-Higher**, **dynamic sampling**, a **token-level loss** and **overlong reward
-shaping**. Each section below plots one of them with the functions the trainer itself calls:
-`dapo_jax.objective` (advantages, clipped loss, aggregation), `dapo_jax.dynamic_sampling` and
-`dapo_jax.rewards`. No model is involved; it runs in seconds on a CPU.
+DAPO (arXiv 2503.14476) changes four things in GRPO and drops the KL term
+(`docs/algorithm.md` section 1): **Clip-Higher**, **dynamic sampling**, a **token-level loss**
+and **overlong reward shaping**. Each section below plots one of them with the functions the
+trainer itself calls: `dapo_jax.objective` (advantages, clipped loss, aggregation),
+`dapo_jax.dynamic_sampling` and `dapo_jax.rewards`. No model is involved; it runs in seconds on a
+CPU.
 '''
 
 RUNS_ON = r'''

@@ -114,7 +114,7 @@ import numpy as np
 
 import dapo_jax
 from dapo_jax.checkpoints.hf import save_pretrained
-from dapo_jax.tokenizer import load_tokenizer
+from dapo_jax.tokenizers import load_tokenizer
 
 hf_dir = os.path.join(workdir, "hf")
 save_pretrained(nnx.merge(graphdef, params), hf_dir)

@@ -14,7 +14,7 @@ from dapo_jax.data.records import MathRecord
 
 
 class ChatTokenizer(Protocol):
-  """What the data pipeline needs from a tokenizer (see dapo_jax/tokenizer.py)."""
+  """What the data pipeline needs from a tokenizer (see dapo_jax/tokenizers/)."""
   pad_id: int
 
   def apply_chat_template(self, messages: list[dict[str, str]],
@@ -50,11 +50,11 @@ def left_pad(id_lists: Sequence[Sequence[int]], pad_id: int,
   Args:
     id_lists: B lists of token ids.
     pad_id: id written into padding positions.
-    length: T; by default the longest list. Pass a fixed value (e.g.
+    length: P; by default the longest list. Pass a fixed value (e.g.
       max_prompt_length) to keep shapes static across steps and avoid recompiles.
 
   Returns:
-    ids_BxT (int32) and mask_BxT (int32, 1 on real tokens, 0 on padding).
+    ids_BxP (int32) and mask_BxP (int32, 1 on real tokens, 0 on padding).
   """
   if not id_lists:
     raise ValueError("left_pad needs at least one sequence")
@@ -64,13 +64,13 @@ def left_pad(id_lists: Sequence[Sequence[int]], pad_id: int,
   elif longest > length:
     raise ValueError(f"a sequence has {longest} tokens, more than length={length}; "
                      "truncate first (render_prompt does)")
-  ids_BxT = np.full((len(id_lists), length), pad_id, dtype=np.int32)
-  mask_BxT = np.zeros((len(id_lists), length), dtype=np.int32)
+  ids_BxP = np.full((len(id_lists), length), pad_id, dtype=np.int32)
+  mask_BxP = np.zeros((len(id_lists), length), dtype=np.int32)
   for b, ids in enumerate(id_lists):
     if len(ids):
-      ids_BxT[b, length - len(ids):] = ids
-      mask_BxT[b, length - len(ids):] = 1
-  return ids_BxT, mask_BxT
+      ids_BxP[b, length - len(ids):] = ids
+      mask_BxP[b, length - len(ids):] = 1
+  return ids_BxP, mask_BxP
 
 
 def epoch_permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Host-side rewards (DAPO_SPEC section 2): strict and symbolic verifiers, batch scoring."""
+"""Host-side rewards (docs/algorithm.md section 2): strict and symbolic verifiers, batch scoring."""
 from dapo_jax.rewards.batch import RewardBatch
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rewards.batch import VERIFIERS

@@ -1,6 +1,6 @@
 """Batch rewards for one generation batch: verify every response, then overlong shaping.
 
-This is what the trainer calls once per generation batch (DAPO_SPEC sections 2 and 5):
+This is what the trainer calls once per generation batch (docs/algorithm.md sections 2 and 5):
 
   with RewardScorer(verifier="strict", max_response_length=20480) as scorer:
     out = scorer(responses, ground_truths, response_lengths)

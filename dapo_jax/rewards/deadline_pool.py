@@ -3,8 +3,8 @@
 Why not `concurrent.futures` or `multiprocessing.Pool`: neither can stop one running task.
 A SIGALRM timeout is honoured only between bytecodes or by C code that polls for signals; a
 long C loop, or a library's bare `except:`, defeats it. So the only hard bound on SymPy
-reading adversarial model text is SIGKILL of the process doing it (DAPO_SPEC section 2:
-"SymPy calls must be bounded in time").
+reading adversarial model text is SIGKILL of the process doing it (docs/algorithm.md section 2,
+the symbolic verifier).
 
 Each worker gets its own pipe, so a killed worker loses only its own task. Inside a worker a
 SIGALRM interval timer gives a cheap soft stop for Python-level loops (the worker survives

@@ -1,4 +1,4 @@
-"""The strict DAPO math reward (DAPO_SPEC section 2): `Answer:` line + Minerva normaliser.
+"""The strict DAPO math reward (docs/algorithm.md section 2): `Answer:` line + Minerva normaliser.
 
 This is the faithful default verifier: plain string equality after normalisation, exactly as
 the DAPO reproduction scores DAPO-Math-17k and AIME. It is pure Python on at most 300

@@ -1,4 +1,4 @@
-"""Symbolic math verifier (DAPO_SPEC section 2, the config option next to the strict default).
+"""Symbolic math verifier (docs/algorithm.md section 2: the option next to the strict default).
 
 Equivalence is decided by the `math-verify` library (LaTeX -> SymPy, then numeric / symbolic /
 set / interval comparison), so `0.5`, `\\frac{1}{2}` and `1/2` agree, as do `\\sqrt{8}` and

@@ -37,8 +37,9 @@ from dapo_jax.models.init import cast_params
 from dapo_jax.rollout import jetstream_engine as je
 from dapo_jax.rollout.sampler import RolloutBatch
 from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.tracing import TraceCounter
 
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+TRACES = TraceCounter()  # per program: tests assert no retrace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _refill_program(state, slots: _Slots, tokens_MxP, true_length_M, base_key_da
                     slot_ids_M, budget_M, *, graphdef, params: SamplingParams,
                     mesh: Mesh | None) -> tuple[_Slots, jax.Array, jax.Array]:
   """Prefills M requests and inserts them; slot id N (out of range) marks batch padding."""
-  TRACE_COUNTS["refill"] += 1
+  TRACES.record("refill")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     keys = je.request_keys(base_key_data, key_ids_Mx2)
     prefix = je.prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, params)
@@ -137,7 +138,7 @@ def _decode_chunk_program(state, slots: _Slots, *, graphdef, params: SamplingPar
 
   Returns the slots, tokens and log-probs [chunk_steps, N], and the number of steps run.
   """
-  TRACE_COUNTS["decode_chunk"] += 1
+  TRACES.record("decode_chunk")
   n = slots.count.shape[0]
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     model = nnx.merge(graphdef, state)

@@ -24,7 +24,6 @@ request's sample does not depend on which slot or step it ran in.
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any, Iterable
 
@@ -39,6 +38,7 @@ from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_p
 from dapo_jax import sharding as shd
 from dapo_jax.models.qwen2 import KVCache, Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.tracing import TraceCounter
 
 # JetStream's `pad_tokens` pads prompts to these lengths and only accepts a max_prefill_length
 # from this list (it calls `.index()` on it), so the engine does too.
@@ -50,7 +50,7 @@ NO_TOKEN = -1
 _TOKEN, _VALID, _LENGTH, _LOGPROB = 0, 1, 2, 3
 
 # Traces per program, so tests can catch silent recompiles.
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+TRACES = TraceCounter()
 
 
 def prefill_bucket(length: int, max_length: int = PREFILL_BUCKETS[-1]) -> int:
@@ -192,7 +192,7 @@ _STATIC = ("graphdef", "sampling", "mesh")
 def prefill_program(state: nnx.State, tokens_MxP, true_length_M, base_key_data, key_ids_Mx2, *,
                     graphdef: nnx.GraphDef, sampling: SamplingParams, mesh: Mesh | None
                     ) -> Prefix:
-  TRACE_COUNTS["prefill"] += 1
+  TRACES.record("prefill")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     keys = request_keys(base_key_data, key_ids_Mx2)
     return prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, sampling)
@@ -200,7 +200,7 @@ def prefill_program(state: nnx.State, tokens_MxP, true_length_M, base_key_data, 
 
 @functools.partial(jax.jit, donate_argnames=("decode_state",))
 def insert_program(prefix: Prefix, decode_state: DecodeState, slots_M) -> DecodeState:
-  TRACE_COUNTS["insert"] += 1
+  TRACES.record("insert")
   return insert_rows(prefix, decode_state, slots_M)
 
 
@@ -208,7 +208,7 @@ def insert_program(prefix: Prefix, decode_state: DecodeState, slots_M) -> Decode
 def generate_program(state: nnx.State, decode_state: DecodeState, *, graphdef: nnx.GraphDef,
                      sampling: SamplingParams, mesh: Mesh | None
                      ) -> tuple[DecodeState, jax.Array]:
-  TRACE_COUNTS["generate"] += 1
+  TRACES.record("generate")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     new, token_N, logprob_N, valid_N = decode_step(nnx.merge(graphdef, state), decode_state,
                                                    sampling)
@@ -227,7 +227,7 @@ def init_program(state: nnx.State, *, graphdef: nnx.GraphDef, num_slots: int,
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):
-  """Adapts a `dapo_jax.tokenizer.Tokenizer` to JetStream's tokenizer interface.
+  """Adapts a `dapo_jax.tokenizers.Tokenizer` to JetStream's tokenizer interface.
 
   Streaming detokenisation decodes one id at a time (as JetStream does): a character split over
   several byte-level tokens arrives as U+FFFD in `text`; `token_ids` are always exact.
@@ -275,8 +275,8 @@ class QwenEngine(engine_api.Engine):
 
   Args:
     model: the policy; its state is split once and passed to every program.
-    tokenizer: a `dapo_jax.tokenizer.Tokenizer`; when None, `build_tokenizer` loads
-      `tokenizer_path` with `dapo_jax.tokenizer.load_tokenizer`.
+    tokenizer: a `dapo_jax.tokenizers.Tokenizer`; when None, `build_tokenizer` loads
+      `tokenizer_path` with `dapo_jax.tokenizers.load_tokenizer`.
     max_concurrent_decodes: decode slots N.
     max_prefill_length: longest prompt (a JetStream bucket: 16, 32, ..., 32768).
     sampling: temperature / top_p / top_k; `max_new_tokens` sizes the cache (a longer request
@@ -357,7 +357,7 @@ class QwenEngine(engine_api.Engine):
 
   def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
     if self._tokenizer is None:
-      from dapo_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+      from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
       self._tokenizer = load_tokenizer(metadata.path or None)
     return JetStreamTokenizer(self._tokenizer)
 

@@ -24,6 +24,7 @@ from dapo_jax import sharding as shd
 from dapo_jax.models.init import cast_params
 from dapo_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, apply_rope, default_positions
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.tracing import TraceCounter
 
 
 @flax.struct.dataclass
@@ -255,7 +256,7 @@ class Sampler:
     sampler = Sampler(graphdef, mesh=mesh)
     batch = sampler.generate(state, ids_BxP, mask_BxP, key, SamplingParams(...), num_samples=G)
 
-  The program is compiled once per (prompt shape, SamplingParams, num_samples); `trace_count`
+  The program is compiled once per (prompt shape, SamplingParams, num_samples); `traces`
   counts traces so tests can catch silent recompiles.
 
   Args:
@@ -275,14 +276,11 @@ class Sampler:
     self.mesh = mesh
     self.rules = rules
     self.cache_segments = cache_segments
-    self.trace_count = 0
+    self.traces = TraceCounter()
     self._program = jax.jit(
         functools.partial(_generate_program, graphdef=graphdef, mesh=mesh, rules=rules,
-                          cache_segments=cache_segments, on_trace=self._count_trace),
+                          cache_segments=cache_segments, on_trace=self.traces.record),
         static_argnames=("params", "num_samples"))
-
-  def _count_trace(self) -> None:
-    self.trace_count += 1
 
   def generate(self, state: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array,
                key: jax.Array, params: SamplingParams, num_samples: int = 1) -> RolloutBatch:

@@ -10,8 +10,8 @@ import pathlib
 import re
 from typing import Iterable
 
-from dapo_jax import chat_templates
-from dapo_jax.tokenizer_base import Tokenizer
+from dapo_jax.tokenizers import chat_templates
+from dapo_jax.tokenizers.tokenizer_base import Tokenizer
 
 PAD, EOS, IM_START, IM_END = "<pad>", "<eos>", "<|im_start|>", "<|im_end|>"
 CHAR_SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END)

@@ -14,7 +14,7 @@ import json
 import os
 import pathlib
 
-from dapo_jax import chat_templates
+from dapo_jax.tokenizers import chat_templates
 
 # Qwen2's pre-tokenization split (from its tokenizer.json): like GPT-4's but
 # digits split one by one, which matters for arithmetic.

@@ -1,13 +1,13 @@
 """`Tokenizer`: what the rest of dapo_jax needs from a tokenizer.
 
-Import it from `dapo_jax.tokenizer`; it lives here so the tokenizers in
+Import it from `dapo_jax.tokenizers`; it lives here so the tokenizers in
 `tokenizer.py` and `char_tokenizer.py` can share it without an import cycle.
 """
 
 import abc
 from typing import Any, Iterable, Mapping, Sequence
 
-from dapo_jax import chat_templates
+from dapo_jax.tokenizers import chat_templates
 
 
 class Tokenizer(abc.ABC):

@@ -18,11 +18,11 @@ import pathlib
 import unicodedata
 from typing import Any, Iterable, Mapping, Sequence
 
-from dapo_jax import chat_templates
-from dapo_jax import qwen_vocab
-from dapo_jax.char_tokenizer import CharTokenizer
-from dapo_jax.qwen_vocab import write_hf_tokenizer_files
-from dapo_jax.tokenizer_base import Tokenizer
+from dapo_jax.tokenizers import chat_templates
+from dapo_jax.tokenizers import qwen_vocab
+from dapo_jax.tokenizers.char_tokenizer import CharTokenizer
+from dapo_jax.tokenizers.qwen_vocab import write_hf_tokenizer_files
+from dapo_jax.tokenizers.tokenizer_base import Tokenizer
 
 __all__ = ["CharTokenizer", "HFTokenizer", "QwenTiktokenTokenizer",
            "Tokenizer", "load_tokenizer", "write_hf_tokenizer_files"]
