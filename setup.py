@@ -64,6 +64,7 @@ setuptools.setup(
             "dapo-eval=dapo_jax.evaluate:run",
             "dapo-serve=dapo_jax.serve:run",
             "dapo-plan=dapo_jax.plan:run",
+            "dapo-export=dapo_jax.export:run",
         ]
     },
 )

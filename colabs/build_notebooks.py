@@ -28,7 +28,8 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python
 def build(name: str) -> nbformat.NotebookNode:
   """The notebook `name` (no suffix): badge, install cell, then its cells; no outputs."""
   module = importlib.import_module(f"cells.{name}")
-  cell_list = [("md", common.badge(name) + "\n\n" + module.TITLE.strip()),
+  title = module.TITLE.strip() + "\n\n" + module.RUNS_ON.strip()
+  cell_list = [("md", common.badge(name) + "\n\n" + title),
                ("code", common.INSTALL)] + module.CELLS
   nb = nbformat.v4.new_notebook()
   nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"},

@@ -1,29 +1,41 @@
 """Evaluation: avg@k, unbiased pass@k and maj@k (AIME 2024: avg@32 at temperature 1.0, top-p 0.7).
 
 ``Evaluator`` is what the trainer calls every ``eval.every`` steps; ``dapo-eval`` runs it on a
-Hugging Face directory or on a training workdir's latest Orbax checkpoint::
+Hugging Face directory or on a training workdir's Orbax checkpoint, sharded over every device by
+the config's mesh (``sharding.SAMPLE_RULES``), with the trainer's ``--config.x=y`` overrides::
 
-  dapo-eval --checkpoint ~/ckpt/Qwen2.5-32B --dataset aime_2024 --num_samples 1
-  dapo-eval --workdir /tmp/dapo_tiny --config configs/tiny_cpu.py
+  dapo-eval --config configs/dapo_qwen2_5_32b.py --config.model.checkpoint=~/ckpt/Qwen2.5-32B \
+      --config.mesh=data=-1,tensor=8 --config.eval.num_samples=32
+  dapo-eval --workdir /tmp/dapo_tiny --step 40 --output /tmp/aime.json
+
+Without ``--config`` the config is the workdir's saved config.json (or, without ``--workdir``,
+the schema defaults in float32: add ``--config.model.param_dtype=bfloat16
+--config.model.dtype=bfloat16``). ``--config.data.eval`` picks the dataset (aime_2024,
+dapo_math_17k, arithmetic or a parquet/JSONL path). On several processes each one verifies its
+share of the answers.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-import sys
 from typing import Any, Sequence
 
 import jax
 import ml_collections
+from absl import flags
 from flax import nnx
+from jax.sharding import Mesh
 
+from dapo_jax import cli
 from dapo_jax import eval_metrics
+from dapo_jax import distributed
 from dapo_jax import generation
+from dapo_jax import policy as policy_lib
 from dapo_jax import run_files
 from dapo_jax import run_setup
+from dapo_jax import sharding as shd
 from dapo_jax.data.records import MathRecord
 
 _log = logging.getLogger(__name__)
@@ -69,85 +81,63 @@ class Evaluator:
     return {f"eval/{k}": float(v) for k, v in summary.items()}
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="dapo-eval", description=__doc__.split("\n")[0])
-  src = p.add_mutually_exclusive_group(required=True)
-  src.add_argument("--checkpoint", help="Hugging Face directory (config.json + safetensors).")
-  src.add_argument("--workdir", help="A dapo-train workdir: its config and Orbax checkpoint.")
-  p.add_argument("--step", type=int, default=None, help="Orbax step (default: latest).")
-  p.add_argument("--dataset", default=None,
-                 help="aime_2024, dapo_math_17k, arithmetic or a parquet/JSONL path.")
-  p.add_argument("--data_dir", default=None)
-  p.add_argument("--manual_dir", default=None)
-  p.add_argument("--num_samples", type=int, default=None, help="samples per row (k).")
-  p.add_argument("--temperature", type=float, default=None)
-  p.add_argument("--top_p", type=float, default=None)
-  p.add_argument("--max_response_length", type=int, default=None)
-  p.add_argument("--max_examples", type=int, default=None)
-  p.add_argument("--batch_size", type=int, default=None)
-  p.add_argument("--output", default=None, help="Write the per-problem table as JSON here.")
-  return p.parse_args(argv)
+def _define(fv) -> None:
+  flags.DEFINE_string("workdir", None, "A dapo-train workdir: its config.json and Orbax "
+                      "checkpoint (default: the HF directory --config.model.checkpoint).",
+                      flag_values=fv)
+  flags.DEFINE_integer("step", None, "Orbax step (default: the newest readable one).",
+                       flag_values=fv)
+  flags.DEFINE_string("output", None, "Write the per-problem table as JSON here (local or gs://).",
+                      flag_values=fv)
 
 
-def _config_and_params(args):
-  """The run config and sampling-ready params, from a HF directory or a training workdir."""
-  from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from dapo_jax.checkpoints.orbax import load_params_only  # pylint: disable=g-import-not-at-top
-  from dapo_jax.models import abstract_model  # pylint: disable=g-import-not-at-top
-  if args.workdir:
-    path = run_files.resolve(args.workdir) / run_files.CONFIG_FILE  # local or gs://
-    if not path.exists():
-      raise FileNotFoundError(f"{path} not found: is {args.workdir} a dapo-train workdir?")
-    config = ml_collections.ConfigDict(run_files.read_json(path))
-  else:
-    config = config_lib.default_config()
-    config.model.checkpoint = args.checkpoint
-    config.model.param_dtype = config.model.dtype = "float32"
-    config.model.remat = "none"
-  e = config.eval
-  for field, value in (("num_samples", args.num_samples), ("temperature", args.temperature),
-                       ("top_p", args.top_p), ("max_examples", args.max_examples),
-                       ("batch_size", args.batch_size)):
-    if value is not None:
-      e[field] = value
-  if args.max_response_length:
-    config.rollout.max_response_length = args.max_response_length
-  for field in ("data_dir", "manual_dir"):
-    if getattr(args, field):
-      config.data[field] = getattr(args, field)
-  tokenizer = run_setup.build_tokenizer(config)
-  if args.workdir:
-    graphdef, abstract = nnx.split(abstract_model(
-        run_setup.model_config(config, tokenizer)))
-    params = load_params_only(run_files.resolve(args.workdir) / "checkpoints",
-                              args.step, abstract_params=abstract)
-  else:
-    graphdef, params = nnx.split(run_setup.build_model(config, tokenizer, None))
-  return config, tokenizer, graphdef, params
+def _parse(argv: Sequence[str]) -> flags.FlagValues:
+  return cli.parse("dapo-eval", __doc__, argv, _define, cli.workdir_default)
 
 
-def main(argv: Sequence[str]) -> dict[str, float]:
-  args = _parse(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+def _config_and_params(fv: flags.FlagValues, mesh: Mesh | None):
+  """The run config and the sampling-ready policy, in the sampling layout on ``mesh``."""
+  config = fv.config
+  policy = policy_lib.load_policy(config, workdir=cli.expand(fv.workdir), step=fv.step,
+                                  mesh=mesh)
+  return config, policy
+
+
+def evaluate_policy(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
+                    records: Sequence[MathRecord]) -> tuple[dict[str, float], Evaluator]:
+  """``Evaluator`` over ``records``; prompts spread over the mesh's data axes and, on several
+  processes, each process verifies its share of the answers (``generation.score_spread``)."""
   from dapo_jax.rewards.batch import RewardScorer  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
-  config, tokenizer, graphdef, params = _config_and_params(args)
-  dataset = args.dataset or config.data.eval
-  records = run_setup.load_dataset(dataset, config, "eval")
+  graphdef, state = nnx.split(policy.model)
+  sampler = Sampler(graphdef, mesh=policy.mesh, rules=shd.SAMPLE_RULES)
+  rollout = distributed.global_rollout(sampler.generate, policy.mesh)
   r = config.reward
   with RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
                     overlong_buffer_enable=False, timeout_s=r.timeout_s,
                     num_workers=r.num_workers) as scorer:
-    evaluator = Evaluator(config, Sampler(graphdef).generate, tokenizer, scorer, records)
-    summary = evaluator(params)
-  print(eval_metrics.format_table(evaluator.last_rows))
-  print(json.dumps(summary, indent=2))
-  if args.output:
-    run_files.write_text_atomic(run_files.resolve(args.output), json.dumps(
-        {"summary": summary, "problems": evaluator.last_rows}, indent=2, default=str))
+    evaluator = Evaluator(config, rollout, policy.tokenizer, scorer, records)
+    summary = evaluator(state)
+  return summary, evaluator
+
+
+def main(argv: Sequence[str]) -> dict[str, float]:
+  fv = _parse(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  distributed.maybe_initialize()
+  config = fv.config
+  config, policy = _config_and_params(fv, policy_lib.sampling_mesh(config))
+  records = run_setup.load_dataset(config.data.eval, config, "eval")
+  summary, evaluator = evaluate_policy(config, policy, records)
+  if jax.process_index() == 0:
+    print(eval_metrics.format_table(evaluator.last_rows))
+    print(json.dumps(summary, indent=2))
+    if fv.output:
+      run_files.write_text_atomic(run_files.resolve(fv.output), json.dumps(
+          {"summary": summary, "problems": evaluator.last_rows}, indent=2, default=str))
   return summary
 
 
 def run(argv: Sequence[str] | None = None) -> None:
   """Console entry point of ``dapo-eval``."""
-  main(sys.argv[1:] if argv is None else list(argv))
+  cli.exit_on_error("dapo-eval", lambda a: main(a if argv is None else list(argv)))

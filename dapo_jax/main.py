@@ -1,8 +1,17 @@
-"""``dapo-train``: the command line of ``train.train_and_evaluate``.
+r"""``dapo-train``: the command line of ``train.train_and_evaluate``.
 
   dapo-train --config configs/tiny_cpu.py --workdir /tmp/dapo_tiny
   dapo-train --config configs/dapo_qwen2_5_32b.py:naive_grpo --workdir gs://b/run \
       --config.optim.lr=2e-6
+
+--config path[:variant] is a file in configs/ (its first line is the command that runs it);
+--config.x=y overrides one leaf of it (dapo_jax/config.py lists them all), for example:
+  --config.model.checkpoint=~/ckpt/Qwen2.5-32B   HF directory to start from
+  --config.model.dtype=bfloat16                  compute dtype (and model.param_dtype)
+  --config.mesh=data=-1,fsdp=4,tensor=8          training mesh (rollout_mesh: sampling)
+  --config.num_steps=200 --config.optim.lr=1e-6 --config.rollout.n=16
+  --config.data.train=~/data/dapo-math-17k.parquet --config.eval.every=5
+dapo-eval, dapo-serve, dapo-export and dapo-plan take the same --config and overrides.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import sys
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from dapo_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
                                           lock_config=True)
@@ -30,10 +41,17 @@ def main(argv):
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
-  train_and_evaluate(_CONFIG.value, os.path.expanduser(_WORKDIR.value))
+  train_and_evaluate(cli.expand_paths(_CONFIG.value), os.path.expanduser(_WORKDIR.value))
 
 
 def run():
+  # absl's --help prints __main__'s docstring and the key flags of the module named by argv[0]:
+  # for the console script both are empty, so name ours.
+  main_module = sys.modules["__main__"]
+  if not main_module.__doc__:
+    main_module.__doc__ = __doc__
+  for name in ("config", "workdir"):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
   app.run(main)
 
 

@@ -1,9 +1,12 @@
-"""``dapo-plan``: will a config fit a slice? Per-device memory and FLOPs before renting it.
+r"""``dapo-plan``: will a config fit a slice? Per-device memory and FLOPs before renting it.
 
   dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4 \
-      --micro_batch_size 8 --prompts_per_call 48
-  dapo-plan --config configs/dapo_qwen2_5_32b.py --target gpu:h100:16x8 --micro_batch_size 16
+      --config.optim.micro_batch_size=8 --config.rollout.prompts_per_call=48
+  dapo-plan --config configs/dapo_qwen2_5_32b.py --target gpu:h100:16x8 \
+      --config.optim.micro_batch_size=16 --config.mesh=data=1,fsdp=-1,tensor=8
   dapo-plan --config configs/tiny_cpu.py --target cpu:8
+
+Overrides are dapo-train's ``--config.x=y`` (``--set x=y`` is a deprecated alias of it).
 
 TPU and CPU targets compile the real train step, rollout program and train->rollout reshard
 ahead of time (TPU through libtpu on compile-only devices, so a CPU-only host suffices) and read
@@ -13,10 +16,9 @@ old-log-prob forward is not planned: it runs the train step's micro-batches with
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import importlib.util
+import glob
 import json
 import math
 import os
@@ -28,9 +30,12 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import flags
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dapo_jax import cli
 from dapo_jax import config as config_lib
 from dapo_jax import plan_estimates as est
 from dapo_jax import run_setup
@@ -98,15 +103,6 @@ def tpu_devices(topology: str) -> list:
     raise RuntimeError(
         f"Cannot describe TPU topology {topology!r} ({err}). TPU planning compiles with libtpu: "
         "pip install 'jax[tpu]' (any host, no TPU needed) or use a gpu:/cpu: target.") from err
-
-
-def parse_mesh(text: str) -> list[tuple[str, int]]:
-  """``fsdp=-1,tensor=8`` -> [("fsdp", -1), ("tensor", 8)]."""
-  out = []
-  for part in filter(None, text.split(",")):
-    name, _, size = part.partition("=")
-    out.append((name.strip(), int(size)))
-  return out
 
 
 class _VocabOnly:
@@ -348,72 +344,85 @@ def format_plan(plan: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="dapo-plan", description=__doc__.split("\n")[0])
-  p.add_argument("--config", required=True, help="config file (path[:variant]).")
-  p.add_argument("--target", required=True, help="tpu:v5p:4x4x4 | gpu:h100:16x8 | cpu:8")
-  p.add_argument("--mesh", help="training mesh override, e.g. fsdp=-1,tensor=8")
-  p.add_argument("--rollout_mesh", help="rollout mesh override, e.g. data=-1,tensor=8")
-  p.add_argument("--micro_batch_size", type=int, help="optim.micro_batch_size (trajectories)")
-  p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"))
-  p.add_argument("--prompts_per_call", type=int, help="rollout.prompts_per_call")
-  p.add_argument("--layers", type=int,
-                 help="compile only this many decoder layers (quick what-ifs: two runs give the "
-                      "memory per layer); not a plan for the full model")
-  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                 help="any other config leaf, e.g. --set rollout.max_response_length=4096")
-  p.add_argument("--json", help="also write the plan as JSON here")
-  return p.parse_args(argv)
+def _define(fv) -> None:
+  flags.DEFINE_string("target", None, "tpu:v5p:4x4x4 | gpu:h100:16x8 | cpu:8", flag_values=fv)
+  flags.DEFINE_integer("layers", None, "compile only this many decoder layers (quick what-ifs: "
+                       "two runs give the memory per layer); not a plan for the full model",
+                       flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the plan as JSON here", flag_values=fv)
+  flags.mark_flag_as_required("target", flag_values=fv)
 
 
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """``path[:variant]`` as ``dapo-train --config`` reads it."""
-  path, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("dapo_plan_config", path)
-  if module_spec is None:
-    raise FileNotFoundError(f"Config file {path!r} not found.")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+def _parse(argv: Sequence[str]) -> flags.FlagValues:
+  """The flags; ``--set x=y`` (the old syntax, deprecated) is read as ``--config.x=y``."""
+  argv, old = list(argv), []
+  while "--set" in argv:
+    i = argv.index("--set")
+    old.append(argv[i + 1] if i + 1 < len(argv) else "")
+    argv[i:i + 2] = [f"--config.{old[-1]}"]
+  argv = [f"--config.{a.split('=', 1)[1]}" if a.startswith("--set=") else a for a in argv]
+  if old:
+    print(f"dapo-plan: --set is deprecated; write --config.{old[0]}", file=sys.stderr)
+  return cli.parse("dapo-plan", __doc__, argv, _define)
 
 
-def configure(args: argparse.Namespace) -> ml_collections.ConfigDict:
-  config = load_config(args.config)
-  if args.mesh:
-    config.mesh = parse_mesh(args.mesh)
-  if args.rollout_mesh:
-    config.rollout_mesh = parse_mesh(args.rollout_mesh)
-  if args.micro_batch_size:
-    config.optim.micro_batch_size = args.micro_batch_size
-  if args.remat:
-    config.model.remat = args.remat
-  if args.prompts_per_call is not None:
-    config.rollout.prompts_per_call = args.prompts_per_call
-  if args.layers:
-    config.model.overrides.num_hidden_layers = args.layers
-  for item in args.set:
-    field, _, value = item.partition("=")
-    *parents, leaf = field.split(".")
-    node = config
-    for name in parents:
-      node = node[name]
-    node[leaf] = type(node[leaf])(json.loads(value) if not isinstance(node[leaf], str) else value)
+def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:
+  config = fv.config
+  if fv.layers:
+    config.model.overrides.num_hidden_layers = fv.layers
   return config
 
 
+# What libtpu reads at start-up on a TPU VM; on a host without TPU chips it logs errors for each
+# one it misses (and queries the GCE metadata server). AOT compiles only need them present.
+_TPU_NAMES = {"v4": "v4-{cores}", "v5p": "v5p-{cores}", "v5e": "v5litepod-{chips}",
+              "v5litepod": "v5litepod-{chips}", "v6e": "v6e-{chips}"}
+
+
+def libtpu_compile_env(target: str) -> dict[str, str]:
+  """The libtpu environment of a compile-only client for ``target`` (``tpu:v5p:2x2x1``)."""
+  kind, _, rest = target.partition(":")
+  if kind != "tpu":
+    return {}
+  gen, _, topo = rest.partition(":")
+  try:
+    chips = math.prod(int(s) for s in topo.split("x"))
+  except ValueError:
+    chips = 1
+  name = _TPU_NAMES.get(gen.lower(), gen.lower() + "-{cores}").format(chips=chips,
+                                                                      cores=2 * chips)
+  return {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": name,
+          "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}
+
+
+def _has_local_tpu() -> bool:
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def prepare_libtpu_env(target: str, environ=None) -> dict[str, str]:
+  """Sets ``libtpu_compile_env`` before libtpu loads, on hosts without TPU chips only and never
+  over a value the user set; returns what it set."""
+  environ = os.environ if environ is None else environ
+  if _has_local_tpu():
+    return {}
+  added = {k: v for k, v in libtpu_compile_env(target).items() if k not in environ}
+  environ.update(added)
+  return added
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = _parse(sys.argv[1:] if argv is None else argv)
-  target = parse_target(args.target)
-  plan = make_plan(configure(args), target)
+  fv = _parse(sys.argv[1:] if argv is None else argv)
+  prepare_libtpu_env(fv.target)  # before parse_target loads the backends (and libtpu)
+  target = parse_target(fv.target)
+  plan = make_plan(configure(fv), target)
   print(format_plan(plan))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(plan, f, indent=2)
+  if fv.json:
+    epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))
   return plan
 
 
 def run() -> None:
-  main()
+  cli.exit_on_error("dapo-plan", main)
 
 
 if __name__ == "__main__":

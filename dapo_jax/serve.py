@@ -1,11 +1,18 @@
 """`dapo-serve`: a Qwen2.5 checkpoint behind JetStream's own orchestrator and gRPC server.
 
-    dapo-serve --checkpoint /ckpt/Qwen2.5-Math-1.5B --port 9000 --max_concurrent_decodes 16
+    dapo-serve --config.model.checkpoint=~/ckpt/Qwen2.5-Math-1.5B --port 9000 \
+        --max_concurrent_decodes 16
+    dapo-serve --workdir gs://bucket/run --step 200 --config.mesh=data=1,tensor=8
 
 Query it with JetStream's `Orchestrator.Decode` RPC (`jetstream.core.proto.jetstream_pb2_grpc`).
 It binds to 127.0.0.1 unless `--host` says otherwise. The engine is `QwenEngine`
-(`dapo_jax.rollout.jetstream_engine`); tokenizer files come from the checkpoint directory (or
-`--tokenizer`). A trainer's Orbax checkpoint is served with `--model_config` naming the model.
+(`dapo_jax.rollout.jetstream_engine`), its params loaded straight into the sampling layout
+(`sharding.SAMPLE_RULES`) on `config.rollout_mesh` (else `config.mesh`) over every device. The
+weights are a HF directory (`--config.model.checkpoint`; tokenizer files from there or
+`--config.tokenizer.path`) or a training workdir's Orbax checkpoint (`--workdir`, whose
+config.json names the model). Settings are the trainer's, with one override syntax (`--config
+path --config.x=y`); without `--config` the config is the workdir's, else the float32 defaults
+(`--config.model.param_dtype=bfloat16 --config.model.dtype=bfloat16` for bf16).
 
 Requests are checked before JetStream sees them (`RequestLimits`): an exception in one of its
 driver threads kills the whole server, and a prompt over its prefill length would be silently
@@ -14,14 +21,12 @@ over the prefill length or with token ids outside the vocabulary gets INVALID_AR
 limit; more than --max_pending requests in flight get RESOURCE_EXHAUSTED; a message over
 --max_request_bytes is refused by gRPC itself (RESOURCE_EXHAUSTED).
 """
-
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
-import os
 import socket
 import sys
 import threading
@@ -29,7 +34,9 @@ from concurrent import futures
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-from flax import nnx
+from absl import flags
+
+from dapo_jax import cli
 
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams
@@ -60,50 +67,28 @@ def _delete_pytree(tree: Any) -> None:
       leaf.delete()
 
 
-def load_model(checkpoint: str, *, fmt: str = "auto", dtype: str | None = None,
-               model_config: str | None = None, step: int | None = None) -> Qwen2ForCausalLM:
-  """The policy in `checkpoint`: a HF directory, or a trainer's Orbax checkpoint directory.
-
-  Orbax train checkpoints hold parameters only, so `model_config` names the architecture: a
-  directory with a HF config.json (e.g. the checkpoint the run started from) or a preset name.
-  """
-  if not os.path.isdir(checkpoint):
-    raise FileNotFoundError(f"--checkpoint {checkpoint} is not a directory.")
-  if fmt == "auto":
-    fmt = "hf" if os.path.exists(os.path.join(checkpoint, "config.json")) else "orbax"
-  overrides = {} if dtype is None else dict(param_dtype=dtype, dtype=dtype)
-  if fmt == "hf":
-    from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-    return load_pretrained(checkpoint, **overrides)
-  if model_config is None:
-    raise ValueError(f"{checkpoint} is an Orbax train checkpoint (no config.json), which stores "
-                     "parameters only: pass --model_config with a HF checkpoint directory (its "
-                     "config.json) or a preset name such as qwen2.5-math-1.5b.")
-  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  from dapo_jax.models import Qwen2Config, abstract_model, get_preset  # pylint: disable=g-import-not-at-top
-  cfg = (Qwen2Config.from_hf(model_config, **overrides) if os.path.isdir(model_config)
-         else get_preset(model_config, **overrides))
-  # The trainer saves `nnx.split(model, nnx.Param, ...)`'s params (train_step.init_train_state).
-  graphdef, abstract_params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
-  if jax.tree.leaves(rest):
-    raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
-  params = orbax_ckpt.load_params_only(checkpoint, step, abstract_params=abstract_params)
-  return nnx.merge(graphdef, params, rest)
+def load_model(config, *, workdir: str | None = None, step: int | None = None,
+               mesh=None) -> tuple[Qwen2ForCausalLM, Any]:
+  """(model, tokenizer): `workdir`'s Orbax checkpoint, else the HF `config.model.checkpoint`,
+  params in the sampling layout on `mesh`."""
+  from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  policy = policy_lib.load_policy(config, workdir=workdir, step=step, mesh=mesh)
+  return policy.model, policy.tokenizer
 
 
-def build_engine(args: argparse.Namespace):
-  """The `QwenEngine` the flags describe."""
+def build_engine(fv):
+  """The `QwenEngine` the flags describe, sharded over every device by the config's mesh."""
+  from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
-  from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
-  model = load_model(args.checkpoint, fmt=args.format, dtype=args.dtype,
-                     model_config=args.model_config, step=args.step)
-  tokenizer_path = args.tokenizer or args.checkpoint
-  sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens)
-  return QwenEngine(model, load_tokenizer(tokenizer_path),
-                    max_concurrent_decodes=args.max_concurrent_decodes,
-                    max_prefill_length=args.max_prefill_length, sampling=sampling,
-                    seed=args.seed, tokenizer_path=tokenizer_path)
+  config = fv.config
+  mesh = policy_lib.sampling_mesh(config)
+  model, tokenizer = load_model(config, workdir=cli.expand(fv.workdir), step=fv.step, mesh=mesh)
+  tokenizer_path = config.tokenizer.path or config.model.checkpoint
+  sampling = SamplingParams(temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k,
+                            max_new_tokens=fv.max_new_tokens)
+  return QwenEngine(model, tokenizer, max_concurrent_decodes=fv.max_concurrent_decodes,
+                    max_prefill_length=fv.max_prefill_length, sampling=sampling,
+                    seed=fv.seed, mesh=mesh, tokenizer_path=tokenizer_path)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -292,48 +277,48 @@ def start_server(engine: Any, *, port: int, host: str = "127.0.0.1", threads: in
                 max_request_bytes)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="dapo-serve", description=__doc__.splitlines()[0])
-  p.add_argument("--checkpoint", required=True,
-                 help="HF checkpoint directory, or a trainer's Orbax checkpoints directory.")
-  p.add_argument("--format", choices=("auto", "hf", "orbax"), default="auto",
-                 help="Checkpoint format (auto: hf when config.json exists, else orbax).")
-  p.add_argument("--model_config", default=None,
-                 help="Orbax only: HF checkpoint dir (config.json) or preset name.")
-  p.add_argument("--step", type=int, default=None, help="Orbax only: step (default: newest).")
-  p.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: checkpoint).")
-  p.add_argument("--port", type=int, default=9000)
-  p.add_argument("--host", default="127.0.0.1", help="Bind address (default: localhost only).")
-  p.add_argument("--max_concurrent_decodes", type=int, default=8)
-  p.add_argument("--max_prefill_length", type=int, default=1024,
-                 help="Longest prompt: 16, 32, 64, ... (JetStream's prefill buckets).")
-  p.add_argument("--max_new_tokens", type=int, default=1024,
-                 help="Decode capacity per request (the KV cache holds prompt + this).")
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
-  p.add_argument("--top_p", type=float, default=1.0)
-  p.add_argument("--top_k", type=int, default=0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32).")
-  p.add_argument("--threads", type=int, default=None, help="gRPC worker threads.")
-  p.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                 help="Largest request message gRPC accepts.")
-  p.add_argument("--max_pending", type=int, default=None,
-                 help="Requests in flight before new ones get RESOURCE_EXHAUSTED "
-                      "(default: 8 x --max_concurrent_decodes).")
-  p.add_argument("--log_level", default="WARNING",
-                 help="Python logging level (INFO logs every JetStream generate step).")
-  return p.parse_args(argv)
+def _define(fv) -> None:
+  """dapo-serve's own flags; model, dtype and mesh are `--config.x=y` (as dapo-train)."""
+  string, integer, real = (functools.partial(f, flag_values=fv) for f in (
+      flags.DEFINE_string, flags.DEFINE_integer, flags.DEFINE_float))
+  string("workdir", None, "A dapo-train workdir: serve its Orbax checkpoint (its config.json "
+         "names the model); default: the HF directory --config.model.checkpoint.")
+  integer("step", None, "Orbax step (default: the newest).")
+  integer("port", 9000, "gRPC port.")
+  string("host", "127.0.0.1", "Bind address (default: localhost only).")
+  integer("max_concurrent_decodes", 8, "Decode slots.")
+  integer("max_prefill_length", 1024,
+          "Longest prompt: 16, 32, 64, ... (JetStream's prefill buckets).")
+  integer("max_new_tokens", 1024,
+          "Decode capacity per request (the KV cache holds prompt + this).")
+  real("temperature", 0.0, "0 = greedy.")
+  real("top_p", 1.0, "Nucleus sampling mass.")
+  integer("top_k", 0, "Top-k sampling (0: off).")
+  integer("seed", 0, "Sampling seed.")
+  integer("threads", None, "gRPC worker threads.")
+  integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, "Largest request message gRPC accepts.")
+  integer("max_pending", None, "Requests in flight before new ones get RESOURCE_EXHAUSTED "
+          "(default: 8 x --max_concurrent_decodes).")
+  string("log_level", "WARNING",
+         "Python logging level (INFO logs every JetStream generate step).")
+
+
+def parse_args(argv: Sequence[str] | None):
+  """The flags (`fv.config` is the run config, `fv.port` ...), parsed into fresh FlagValues."""
+  return cli.parse("dapo-serve", __doc__,
+                   sys.argv[1:] if argv is None else argv, _define, cli.workdir_default)
 
 
 def main(argv: Sequence[str] | None = None, *, block: bool = True):
   """Serves until interrupted; with `block=False`, returns the running server instead."""
-  args = parse_args(argv)
-  logging.getLogger().setLevel(args.log_level.upper())
-  engine = build_engine(args)
-  server = start_server(engine, port=args.port, host=args.host, threads=args.threads,
-                        max_request_bytes=args.max_request_bytes, max_pending=args.max_pending)
-  print(f"dapo-serve: {args.checkpoint} on {args.host}:{args.port} "
-        f"({args.max_concurrent_decodes} slots)", flush=True)
+  fv = parse_args(argv)
+  logging.getLogger().setLevel(fv.log_level.upper())
+  engine = build_engine(fv)
+  server = start_server(engine, port=fv.port, host=fv.host, threads=fv.threads,
+                        max_request_bytes=fv.max_request_bytes, max_pending=fv.max_pending)
+  source = fv.workdir or fv.config.model.checkpoint
+  print(f"dapo-serve: {source} on {fv.host}:{fv.port} ({fv.max_concurrent_decodes} slots, "
+        f"{jax.device_count()} devices)", flush=True)
   if not block:
     return server
   server.wait_for_termination()  # stops the driver and the gRPC server on exit
@@ -342,7 +327,4 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True):
 
 def run() -> None:
   """Console entry point `dapo-serve`: a bad flag or checkpoint prints one line, not a trace."""
-  try:
-    sys.exit(main(sys.argv[1:]))
-  except (ValueError, OSError, NotImplementedError) as e:
-    sys.exit(f"dapo-serve: error: {e}")
+  cli.exit_on_error("dapo-serve", main)

@@ -17,7 +17,7 @@ nbformat = pytest.importorskip("nbformat")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLABS = os.path.join(ROOT, "colabs")
 NAMES = ("dapo_objective", "train_tiny_dapo", "restore_and_sample")
-INSTALL = 'pip install -q "dapo_jax @ git+https://github.com/dapo-jax/dapo_jax"'
+INSTALL = 'pip install -q "dapo_jax{EXTRA} @ git+https://github.com/dapo-jax/dapo_jax"'
 
 
 def _module(name):
@@ -52,9 +52,38 @@ def test_committed_notebook_is_stripped_with_badge_and_install(name):
   assert f"]({url})" in badge.source
   assert install.cell_type == "code"
   assert f"!{INSTALL}" in install.source and '"google.colab" in sys.modules' in install.source
+  assert "EXTRA = accelerator_extra()" in install.source
+  assert "Where it runs:" in badge.source  # what runs where, in every notebook
   code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
   assert re.search(r"^(from dapo_jax[\w.]* import|import dapo_jax)", code, re.M)
   assert nb.metadata.kernelspec.name == "python3"
+
+
+def _install_cell_namespace():
+  """The install cell's code outside Colab: defines accelerator_extra, installs nothing."""
+  source = _read("train_tiny_dapo").cells[1].source
+  code = "\n".join(line for line in source.splitlines() if not line.strip().startswith("!"))
+  namespace = {}
+  exec(compile(code, "install_cell", "exec"), namespace)  # pylint: disable=exec-used
+  return namespace
+
+
+# (environment, device files present, expected extra): what each Colab runtime shows.
+_RUNTIMES = [
+    ({}, (), ""),  # CPU runtime
+    ({"COLAB_GPU": "0"}, (), ""),  # CPU runtime that names "no GPU"
+    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, (), "[tpu]"),  # legacy TPU Node
+    ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, ("/dev/vfio/[0-9]*",), "[tpu]"),  # TPU VM, v5e
+    ({}, ("/dev/accel*",), "[tpu]"),  # TPU VM, v2-v4 chips, no env
+    ({"COLAB_GPU": "1"}, ("/dev/nvidia[0-9]*",), "[cuda]"),  # GPU runtime
+    ({}, ("/dev/nvidia[0-9]*",), "[cuda]"),  # a GPU without Colab's variable
+]
+
+
+@pytest.mark.parametrize("environ,devices,expected", _RUNTIMES)
+def test_install_cell_picks_the_extra_of_the_runtime(environ, devices, expected):
+  pick = _install_cell_namespace()["accelerator_extra"]
+  assert pick(environ=environ, exists=lambda pattern: pattern in devices) == expected
 
 
 def test_notebooks_match_their_source():

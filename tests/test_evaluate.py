@@ -72,10 +72,25 @@ def test_dapo_eval_cli_on_hf_checkpoint(tmp_path):
   from dapo_jax.data.loaders import write_rows  # pylint: disable=g-import-not-at-top
   write_rows(arithmetic.make_rows(5, split="test"), str(data))
   out = tmp_path / "table.json"
-  summary = evaluate.main(["--checkpoint", ckpt, "--dataset", str(data), "--num_samples", "2",
-                           "--max_response_length", "8", "--batch_size", "4",
+  summary = evaluate.main([f"--config.model.checkpoint={ckpt}", f"--config.data.eval={data}",
+                           "--config.eval.num_samples=2", "--config.rollout.max_response_length=8",
+                           "--config.eval.batch_size=4", "--config.data.max_prompt_length=32",
                            "--output", str(out)])
   assert summary["eval/num_problems"] == 5 and summary["eval/num_samples"] == 10
   assert 0.0 <= summary["eval/avg@2"] <= summary["eval/pass@2"] <= 1.0
   table = json.load(open(out))
   assert len(table["problems"]) == 5
+
+
+def test_dapo_eval_cli_expands_home_and_names_missing_weights(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  fv = evaluate._parse(["--config.model.checkpoint=~/ckpt", "--config.data.eval=~/x.jsonl",
+                        "--config.model.dtype=bfloat16", "--config.mesh=data=2,tensor=4"])
+  c = fv.config
+  assert c.model.checkpoint == str(tmp_path / "ckpt") and c.data.eval == str(tmp_path / "x.jsonl")
+  assert c.model.dtype == "bfloat16" and c.model.param_dtype == "float32"
+  assert list(c.mesh) == [("data", 2), ("tensor", 4)]
+  with pytest.raises(ValueError, match="config.model.checkpoint"):
+    evaluate.main(["--config.eval.max_examples=1"])
+  with pytest.raises(FileNotFoundError, match="dapo-train workdir"):
+    evaluate.main([f"--workdir={tmp_path}"])

@@ -125,7 +125,9 @@ def _decode(stub, request):
 def test_served_by_jetstream_orchestrator_over_grpc(ckpt, model):
   tokenizer = load_tokenizer(ckpt)
   port = portpicker.pick_unused_port()
-  server = serve.main(["--checkpoint", ckpt, "--port", str(port), "--max_concurrent_decodes", "2",
+  # Served sharded: params split over tensor=2 (SAMPLE_RULES), slots over data=4.
+  server = serve.main([f"--config.model.checkpoint={ckpt}", "--config.mesh=data=4,tensor=2",
+                       "--port", str(port), "--max_concurrent_decodes", "2",
                        "--max_prefill_length", "16", "--max_new_tokens", "16"], block=False)
   prompts = ["what is 2+3?", "compute 7*8=", "solve x-1=4"]  # 3 requests on 2 slots
   try:
@@ -154,15 +156,25 @@ def test_served_by_jetstream_orchestrator_over_grpc(ckpt, model):
 
 
 def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
+  from dapo_jax import cli  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints.orbax import TrainCheckpointer  # pylint: disable=g-import-not-at-top
   _, params, _ = nnx.split(model, nnx.Param, ...)
-  with TrainCheckpointer(tmp_path / "ckpt") as saver:
+  workdir = tmp_path / "run"
+  with TrainCheckpointer(workdir / "checkpoints") as saver:
     saver.save(7, params, {"mu": jnp.zeros(3)})
-  with pytest.raises(ValueError, match="--model_config"):
-    serve.load_model(str(tmp_path / "ckpt"))
-  restored = serve.load_model(str(tmp_path / "ckpt"), model_config=ckpt)
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    serve.parse_args([f"--workdir={workdir}"])
+  run_config = cli.get_config()
+  run_config.model.checkpoint = ckpt  # the architecture (config.json) the run started from
+  (workdir / "config.json").write_text(run_config.to_json_best_effort())
+  fv = serve.parse_args([f"--workdir={workdir}", "--config.mesh=data=4,tensor=2"])
+  from dapo_jax import policy  # pylint: disable=g-import-not-at-top
+  restored, _ = serve.load_model(fv.config, workdir=fv.workdir,
+                                 mesh=policy.sampling_mesh(fv.config))
+  q = restored.layers[0].self_attn.q_proj.kernel.value
+  assert q.addressable_shards[0].data.nbytes * 2 == q.nbytes  # restored tensor-split
   ids = jnp.asarray([PROMPT])
-  np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(model(ids)))
+  np.testing.assert_allclose(np.asarray(restored(ids)), np.asarray(model(ids)), atol=1e-5)
 
 
 def test_engine_rejects_bad_settings(model):

@@ -21,7 +21,7 @@ MESH = "data=2,fsdp=2,tensor=2"
 
 def _tiny_args(*extra):
   return plan_lib._parse(["--config", os.path.join(CONFIGS, "tiny_cpu.py"), "--target", "cpu:8",
-                          "--mesh", MESH, "--micro_batch_size", "16", *extra])
+                          f"--config.mesh={MESH}", "--config.optim.micro_batch_size=16", *extra])
 
 
 def _scalars_bytes(n=3):
@@ -74,10 +74,14 @@ def test_cpu_plan_matches_the_trainers_compiled_step():
 def test_cli_overrides_and_json(tmp_path, capsys):
   out = tmp_path / "plan.json"
   plan = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
-                        "gpu:h100:16x8", "--mesh", "fsdp=-1,tensor=4", "--rollout_mesh",
-                        "data=-1,tensor=8", "--micro_batch_size", "64", "--remat", "dots",
-                        "--set", "rollout.max_response_length=8192", "--json", str(out)])
-  text = capsys.readouterr().out
+                        "gpu:h100:16x8", "--config.mesh=fsdp=-1,tensor=4",
+                        "--config.rollout_mesh=[('data', -1), ('tensor', 8)]",
+                        "--config.optim.micro_batch_size=64", "--config.model.remat=dots",
+                        "--set", "rollout.max_response_length=8192",  # the deprecated alias
+                        "--json", str(out)])
+  captured = capsys.readouterr()
+  text = captured.out
+  assert "--set is deprecated" in captured.err
   assert "gpu:h100:16x8 (128 devices)" in text and "phase rollout" in text
   assert plan["mesh"] == [["fsdp", -1], ["tensor", 4]]
   assert plan["rollout_mesh"] == [["data", -1], ["tensor", 8]]
@@ -86,13 +90,13 @@ def test_cli_overrides_and_json(tmp_path, capsys):
   # A shorter response budget shrinks the KV cache proportionally to P + R.
   short = plan["rollout"]["parts"]["kv_cache_estimate"]
   full = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
-                        "gpu:h100:16x8", "--rollout_mesh", "data=-1,tensor=8"])
+                        "gpu:h100:16x8", "--config.rollout_mesh=data=-1,tensor=8"])
   assert full["rollout"]["parts"]["kv_cache_estimate"] * (2048 + 8192) == short * (2048 + 20480)
 
 
 def test_gpu_plan_is_an_analytic_estimate(capsys):
   plan = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
-                        "gpu:h100:16x8", "--prompts_per_call", "32"])
+                        "gpu:h100:16x8", "--config.rollout.prompts_per_call=32"])
   assert "analytic estimate" in capsys.readouterr().out
   assert "memory" not in plan["train"]  # nothing was compiled
   # 32B parameters trained as fp32 master weights split over fsdp=4 x tensor=8 (the config's
@@ -124,10 +128,10 @@ def _libtpu_missing() -> str | None:
 @pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
 def test_tpu_plan_compiles_for_a_topology_on_this_host():
   # The 0.5B preset's shapes with 2 of its 24 layers: the compile takes seconds, not minutes.
-  args = plan_lib._parse(["--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"),
-                          "--target", "tpu:v5p:2x2x1", "--set", "rollout.max_response_length=64",
-                          "--set", "reward.overlong_buffer_len=16",
-                          "--set", "data.max_prompt_length=64"])
+  args = plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
+      "--config.rollout.max_response_length=64", "--config.reward.overlong_buffer_len=16",
+      "--config.data.max_prompt_length=64"])
   config = plan_lib.configure(args)
   config.model.overrides = dict(num_hidden_layers=2)
   plan = plan_lib.make_plan(config, plan_lib.parse_target(args.target))
@@ -155,8 +159,41 @@ def test_analytic_rates_reproduce_the_compiles_they_were_fitted_to(topology, mes
                                                                    compiled_gib):
   config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
-      "--mesh", mesh, "--micro_batch_size", str(micro)]))
+      f"--config.mesh={mesh}", f"--config.optim.micro_batch_size={micro}"]))
   chips = int(np.prod([int(x) for x in topology.split(":")[1].split("x")]))
   mem = plan_est.analytic_memory(config, plan_lib.plan_model_config(config), chips)
   estimate = mem["train"]["parts"]["activations_and_temp"] / 2**30
   assert abs(estimate - compiled_gib) <= 0.1 * compiled_gib, (estimate, compiled_gib)
+
+
+def test_libtpu_compile_env_fills_only_what_the_user_left_unset(monkeypatch):
+  env = plan_lib.libtpu_compile_env("tpu:v5p:2x2x1")
+  assert env == {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8",
+                 "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}
+  assert plan_lib.libtpu_compile_env("tpu:v5e:4x4")["TPU_ACCELERATOR_TYPE"] == "v5litepod-16"
+  assert plan_lib.libtpu_compile_env("gpu:h100:1x8") == {}
+  monkeypatch.setattr(plan_lib, "_has_local_tpu", lambda: False)
+  environ = {"TPU_ACCELERATOR_TYPE": "v4-32"}  # the user's value stays
+  added = plan_lib.prepare_libtpu_env("tpu:v5p:2x2x1", environ)
+  assert environ["TPU_ACCELERATOR_TYPE"] == "v4-32" and "TPU_ACCELERATOR_TYPE" not in added
+  assert environ["TPU_WORKER_HOSTNAMES"] == "localhost"
+  monkeypatch.setattr(plan_lib, "_has_local_tpu", lambda: True)  # a TPU VM: libtpu's own
+  environ = {}
+  assert plan_lib.prepare_libtpu_env("tpu:v5p:2x2x1", environ) == {} and environ == {}
+
+
+@pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
+def test_plan_on_a_cpu_host_opens_without_libtpu_start_up_errors(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+  env.update(JAX_PLATFORMS="", XLA_FLAGS="", PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, "-c", "from dapo_jax import plan; plan.run()",
+       "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
+       "--layers=1", "--config.rollout.max_response_length=64",
+       "--config.reward.overlong_buffer_len=16", "--config.data.max_prompt_length=64"],
+      env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
+    assert name not in proc.stderr, proc.stderr[-3000:]

@@ -30,7 +30,8 @@ DECODE = "/jetstream_proto.Orchestrator/Decode"
 @pytest.fixture(scope="module")
 def server():
   port = portpicker.pick_unused_port()
-  srv = serve.main(["--checkpoint", rollout_fixtures.tiny_checkpoint(), "--port", str(port),
+  srv = serve.main([f"--config.model.checkpoint={rollout_fixtures.tiny_checkpoint()}",
+                    "--port", str(port),
                     "--max_concurrent_decodes", "2", "--max_prefill_length", str(PREFILL),
                     "--max_new_tokens", str(NEW_TOKENS), "--max_request_bytes", str(MAX_BYTES)],
                    block=False)
@@ -99,7 +100,7 @@ def _call(channel, request):
 
 def test_binds_to_localhost_by_default(server):
   port, _ = server
-  assert serve.parse_args(["--checkpoint", "x"]).host == "127.0.0.1"
+  assert serve.parse_args(["--config.model.checkpoint=x"]).host == "127.0.0.1"
   if not os.path.exists("/proc/net/tcp"):
     pytest.skip("needs /proc/net/tcp")
   listening = []

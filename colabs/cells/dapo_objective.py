@@ -11,6 +11,11 @@ trainer itself calls: `dapo_jax.objective` (advantages, clipped loss, aggregatio
 CPU.
 '''
 
+RUNS_ON = r'''
+**Where it runs:** any runtime. The plots use small `jax.numpy` arrays on the default device; a
+CPU runtime is plenty.
+'''
+
 CELLS = [
     ("code", r'''
 import itertools

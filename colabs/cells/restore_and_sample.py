@@ -15,6 +15,12 @@ and measures avg@k on held-out problems (`dapo_jax.evaluate.Evaluator`).
 It reads the run of `train_tiny_dapo.ipynb` when present, and otherwise trains a tiny one here.
 '''
 
+RUNS_ON = r'''
+**Where it runs:** any runtime; sized for a CPU one (seconds to a few minutes). On a Colab TPU
+or GPU runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` and the restore,
+sampling and evaluation run on the accelerator.
+'''
+
 CELLS = [
     ("md", r'''
 ## Parameters
@@ -169,8 +175,9 @@ print("dynamic sampling keeps this group:", dynamic_sampling.is_valid_acc(acc))
 per problem at the evaluation settings (DAPO: temperature 1.0, top-p 0.7; AIME 2024 avg@32,
 spec section 8), scored by the training verifier without length shaping. It reports avg@k,
 unbiased pass@k and maj@k, and keeps a per-problem table. From a shell:
-`dapo-eval --workdir WORKDIR`, or `dapo-eval --checkpoint WORKDIR/hf --dataset arithmetic
---max_response_length 32`.
+`dapo-eval --workdir WORKDIR`, or `dapo-eval --config.model.checkpoint=WORKDIR/hf
+--config.data.eval=arithmetic --config.rollout.max_response_length=32` (any setting as
+`--config.x=y`, as with `dapo-train`).
 '''),
     ("code", r'''
 from dapo_jax import eval_metrics

@@ -15,6 +15,12 @@ checkpoints); the plots below are read back from it.
 The full demo takes about 10 minutes on a CPU; the parameters cell shrinks it.
 '''
 
+RUNS_ON = r'''
+**Where it runs:** sized for a CPU runtime (about 10 minutes on 2 cores). On a Colab TPU or GPU
+runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` so that JAX finds the
+accelerator, and the same cells run there (a 1M-parameter model gains little from it).
+'''
+
 CELLS = [
     ("md", r'''
 ## Parameters

@@ -1,0 +1,154 @@
+"""The one override syntax of every command: ``--config path[:arg] --config.x=y`` (as dapo-train).
+
+``dapo-eval``, ``dapo-serve``, ``dapo-export`` and ``dapo-plan`` parse their flags here, each
+into a fresh ``absl.flags.FlagValues`` (so tests call ``main(argv)`` in one process). Without
+``--config``, the config is this file's ``get_config``: a training workdir's saved
+``config.json`` (``--workdir``), else the schema defaults in float32.
+
+This file is also loaded by path as a config file (``config_flags`` runs its ``get_config``),
+so it imports only light modules and defines no flags at import.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+from typing import Callable, Sequence
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+WORKDIR_CONFIG = os.path.abspath(__file__)
+# Config leaves that name a local or gs:// path: "~" is expanded in each (data.train/eval may
+# also be a dataset name, which expanduser leaves alone).
+PATH_FIELDS = ("model.checkpoint", "tokenizer.path", "data.train", "data.eval", "data.data_dir",
+               "data.manual_dir")
+
+
+class MeshParser(flags.ArgumentParser):
+  """``--config.mesh=fsdp=-1,tensor=8`` or a Python literal ``[("fsdp", -1), ("tensor", 8)]``.
+
+  Registered for list-typed config fields (``mesh``, ``rollout_mesh``), which config_flags
+  cannot override on its own.
+  """
+
+  def parse(self, argument):
+    if not isinstance(argument, str):
+      return list(argument)
+    text = argument.strip()
+    if not text or text[0] in "[(":
+      value = ast.literal_eval(text or "[]")
+      return [tuple(v) if isinstance(v, list) else v for v in value]
+    out = []
+    for part in filter(None, text.split(",")):
+      name, sep, size = part.partition("=")
+      if not sep:
+        raise ValueError(f"{argument!r}: write axis=size pairs, e.g. fsdp=-1,tensor=8.")
+      out.append((name.strip(), int(size)))
+    return out
+
+  def flag_type(self):
+    return "mesh"
+
+
+config_flags.register_flag_parser_for_type(list, MeshParser())
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """A dapo-train workdir's saved config (``arg`` = the workdir), else the schema defaults.
+
+  The defaults run in float32 (the paper config's bfloat16 is one override away:
+  ``--config.model.param_dtype=bfloat16 --config.model.dtype=bfloat16``).
+  """
+  from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  if not arg:
+    c = config_lib.default_config()
+    c.model.param_dtype = c.model.dtype = "float32"
+    c.model.remat = "none"
+    return c
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  path = epath.Path(os.path.expanduser(arg)) / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} not found: is {arg} a dapo-train workdir? Pass --config "
+                            "with the config file the run used.")
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def expand_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Expands "~" in every path leaf of ``config`` (in place; also returned)."""
+  for field in PATH_FIELDS:
+    *parents, leaf = field.split(".")
+    node = config
+    for name in parents:
+      node = node.get(name) if node is not None else None
+    if node is not None and isinstance(node.get(leaf), str):
+      node[leaf] = os.path.expanduser(node[leaf])
+  return config
+
+
+def expand(path: str | None) -> str | None:
+  return None if path is None else os.path.expanduser(path)
+
+
+def _has_config(argv: Sequence[str]) -> bool:
+  return any(a in ("--config", "-config") or a.startswith(("--config=", "-config="))
+             for a in argv)
+
+
+def parse(prog: str, doc: str, argv: Sequence[str],
+          define: Callable[[flags.FlagValues], None] | None = None,
+          default_config: Callable[[list[str]], str] | None = None) -> flags.FlagValues:
+  """Parses ``argv`` (without the program name) into fresh flags; ``--help`` prints the usage.
+
+  ``define(fv)`` adds the command's own flags; ``default_config(argv)`` gives the ``--config``
+  value used when none is passed (None: ``--config`` is required).
+  """
+  argv = [prog] + list(argv)
+  fv = flags.FlagValues()
+  if define is not None:
+    define(fv)
+  if not _has_config(argv) and default_config is not None:
+    argv.insert(1, f"--config={default_config(argv)}")
+  config_flags.DEFINE_config_file(
+      "config", None, "Config file, path[:arg] (as dapo-train); override leaves with "
+      "--config.x=y, e.g. --config.model.dtype=bfloat16 --config.mesh=data=-1,tensor=8.",
+      flag_values=fv, lock_config=True, sys_argv=argv)
+  if any(a in ("--help", "-h", "--helpfull", "-help") for a in argv[1:]):
+    print(usage(doc, fv))
+    raise SystemExit(0)
+  if not _has_config(argv):
+    raise flags.Error("--config is required, e.g. --config configs/dapo_qwen2_5_32b.py.")
+  rest = fv(argv)
+  if len(rest) > 1:
+    raise flags.Error(f"unexpected arguments {rest[1:]}; flags are written --name=value.")
+  try:
+    expand_paths(fv.config)
+  except OSError as e:  # config_flags defers a get_config failure to first use; raise its cause
+    raise (e.__cause__ or e) from None
+  return fv
+
+
+def usage(doc: str, fv: flags.FlagValues) -> str:
+  return f"{doc.strip()}\n\nflags:\n{fv.get_help(include_special_flags=False)}"
+
+
+def workdir_default(argv: Sequence[str]) -> str:
+  """The ``--config`` a command without one reads: ``--workdir``'s config.json, or defaults."""
+  for i, a in enumerate(argv):
+    if a.startswith("--workdir="):
+      return f"{WORKDIR_CONFIG}:{a.split('=', 1)[1]}"
+    if a == "--workdir" and i + 1 < len(argv):
+      return f"{WORKDIR_CONFIG}:{argv[i + 1]}"
+  return WORKDIR_CONFIG
+
+
+def exit_on_error(prog: str, main: Callable[[list[str]], object]) -> None:
+  """Console entry point: a bad flag, config value or path prints one line, not a trace."""
+  try:
+    out = main(sys.argv[1:])
+  except (flags.Error, ValueError, OSError, NotImplementedError) as e:
+    sys.exit(f"{prog}: error: {e}")
+  sys.exit(out if isinstance(out, int) else 0)

@@ -1,0 +1,85 @@
+"""``dapo-export``: a training run's checkpoint as a Hugging Face directory (vLLM, lm-eval, ...).
+
+  dapo-export --workdir gs://bucket/run --out ~/exports/run-step200 --step 200
+  dapo-export --workdir /tmp/dapo_tiny --out /tmp/tiny_hf --config.model.param_dtype=float32
+
+The run's saved config.json names the architecture; params are restored sharded over every
+device (``--config.mesh`` / ``--config.rollout_mesh``), cast to ``config.model.param_dtype``
+(the run's dtype; fp32 masters with ``--config.model.param_dtype=float32``) and written one
+tensor at a time as safetensors with config.json and the tokenizer files. ``--workdir`` and
+``--out`` may be local or any etils.epath location (gs://...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Sequence
+
+import jax
+from absl import flags
+from etils import epath
+
+from dapo_jax import cli
+from dapo_jax import policy as policy_lib
+from dapo_jax.checkpoints import hf
+
+_log = logging.getLogger(__name__)
+
+
+def _define(fv) -> None:
+  flags.DEFINE_string("workdir", None, "The dapo-train workdir (local or gs://).",
+                      flag_values=fv)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest readable one).",
+                       flag_values=fv)
+  flags.DEFINE_string("out", None, "Output directory (local or gs://).", flag_values=fv)
+  flags.DEFINE_integer("max_shard_gib", 2, "Largest safetensors file, GiB.", flag_values=fv)
+  flags.mark_flags_as_required(["workdir", "out"], flag_values=fv)
+
+
+def export(config, workdir: str, out: str, *, step: int | None = None,
+           max_shard_bytes: int = 2 << 30) -> str:
+  """Writes ``workdir``'s checkpoint (``step``, default the newest) to ``out`` as HF files."""
+  policy = policy_lib.load_policy(config, workdir=workdir, step=step,
+                                  mesh=policy_lib.sampling_mesh(config))
+  dest = epath.Path(out)
+  local = "://" not in out
+  stage = out if local else tempfile.mkdtemp(prefix="dapo_export_")
+  try:
+    tok_dir = config.tokenizer.path or config.model.checkpoint or None
+    hf.save_pretrained(policy.model, stage, max_shard_bytes=max_shard_bytes,
+                       tokenizer_dir=tok_dir)
+    if jax.process_index() == 0:
+      has_tokenizer = any(os.path.exists(os.path.join(stage, f)) for f in hf.TOKENIZER_FILES)
+      if not has_tokenizer and hasattr(policy.tokenizer, "save"):
+        policy.tokenizer.save(stage)  # the char tokenizer, built in code
+      elif not has_tokenizer:
+        _log.warning("No tokenizer files found to copy (config.tokenizer.path / "
+                     "config.model.checkpoint): add them to %s before loading it elsewhere.", out)
+      if not local:
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in sorted(os.listdir(stage)):
+          epath.Path(stage, name).copy(dest / name, overwrite=True)
+  finally:
+    if not local:
+      shutil.rmtree(stage, ignore_errors=True)
+  return out
+
+
+def main(argv: Sequence[str]) -> str:
+  fv = cli.parse("dapo-export", __doc__, argv, _define, cli.workdir_default)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  distributed.maybe_initialize()
+  out = export(fv.config, cli.expand(fv.workdir), cli.expand(fv.out), step=fv.step,
+               max_shard_bytes=fv.max_shard_gib << 30)
+  if jax.process_index() == 0:
+    print(f"dapo-export: wrote {out}", flush=True)
+  return out
+
+
+def run() -> None:
+  """Console entry point of ``dapo-export``."""
+  cli.exit_on_error("dapo-export", main)

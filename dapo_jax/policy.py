@@ -1,0 +1,86 @@
+"""The policy a command evaluates, serves or exports, loaded straight into its sharded layout.
+
+A Hugging Face directory (``config.model.checkpoint``) is read one tensor at a time
+(``load_pretrained``), a training workdir's Orbax checkpoint is restored with target shardings:
+either way each device receives only its shard, never a whole copy on one device. The layout is
+``sharding.SAMPLE_RULES`` on ``config.rollout_mesh`` (else ``config.mesh``), as the trainer's
+rollouts use it; one device gets no mesh at all.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh
+
+from dapo_jax import run_setup
+from dapo_jax import sharding as shd
+from dapo_jax.models import abstract_model
+
+
+class Policy(NamedTuple):
+  graphdef: nnx.GraphDef
+  params: nnx.State  # nnx.Param leaves
+  rest: nnx.State  # the model's other state (empty for Qwen2ForCausalLM)
+  tokenizer: Any
+  mesh: Mesh | None
+
+  @property
+  def model(self):
+    return nnx.merge(self.graphdef, self.params, self.rest)
+
+
+def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
+  """``config.rollout_mesh`` (else ``config.mesh``) over every device; None on one device."""
+  if jax.device_count() == 1:
+    return None
+  return shd.make_mesh([tuple(a) for a in (config.get("rollout_mesh") or config.mesh)])
+
+
+def checkpoint_dir(workdir: str) -> epath.Path:
+  return epath.Path(os.path.expanduser(workdir)) / "checkpoints"
+
+
+def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None,
+                step: int | None = None, mesh: Mesh | None = None,
+                rules: shd.Rules = shd.SAMPLE_RULES) -> Policy:
+  """The run's tokenizer and params: ``workdir``'s Orbax checkpoint (``step``, default the
+  newest readable one), else the HF directory ``config.model.checkpoint``.
+
+  Params are in ``config.model.param_dtype`` (an fp32 master checkpoint is cast while read).
+  """
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
+  tokenizer = run_setup.build_tokenizer(config)
+  m = config.model
+  if workdir:
+    mcfg = run_setup.model_config(config, tokenizer)
+    graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
+    if jax.tree.leaves(rest):
+      raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
+    params = orbax_ckpt.load_params_only(
+        checkpoint_dir(workdir), step, abstract_params=_targets(abstract, mesh, rules))
+    return Policy(graphdef, params, rest, tokenizer, mesh)
+  if not m.checkpoint:
+    raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
+                     "--workdir=<a dapo-train workdir>.")
+  model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
+                          param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+                          attention_impl=m.attention_impl)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return Policy(graphdef, params, rest, tokenizer, mesh)
+
+
+def _targets(abstract: nnx.State, mesh: Mesh | None, rules: shd.Rules) -> nnx.State:
+  """Restore targets: shapes and dtypes of ``abstract`` with their sharded layout."""
+  if mesh is None:
+    return abstract
+  shardings = shd.state_shardings(abstract, mesh, rules)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
+
