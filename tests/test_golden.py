@@ -1,0 +1,135 @@
+"""Golden regression tests: one train step on fixed inputs and a 3-step tiny run.
+
+Their metrics and final parameters must stay bit-identical across refactors. XLA:CPU results
+depend on the host's vector units, so the golden values are kept per CPU model in
+``tests/golden/<cpu>.json``; on a CPU with no file the tests record nothing and skip, saying
+how to record one. When a change is MEANT to alter the numerics, re-record with
+
+    DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py
+
+and say in the commit why the numbers moved.
+"""
+
+import hashlib
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import train_step as ts
+from dapo_jax.models import create_model, get_preset
+from dapo_jax.train import train_and_evaluate
+from tests.test_train_e2e import _small_config
+
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+UPDATE = os.environ.get("DAPO_UPDATE_GOLDEN") == "1"
+
+
+def _cpu_key() -> str:
+  name, avx512 = "unknown-cpu", False
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = f.read()
+    m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    name = m.group(1) if m else name
+    avx512 = " avx512f" in info
+  except OSError:
+    pass
+  slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+  return f"{slug}{'-avx512' if avx512 else ''}"
+
+
+def _golden_path() -> str:
+  return os.path.join(GOLDEN_DIR, f"{_cpu_key()}.json")
+
+
+def _digest(tree) -> dict[str, str]:
+  """sha256 of every leaf's bytes, keyed by its tree path (names, shapes and values)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
+    a = np.ascontiguousarray(np.asarray(leaf))
+    h = hashlib.sha256(f"{a.dtype}{a.shape}".encode())
+    h.update(a.tobytes())
+    out[jax.tree_util.keystr(path)] = h.hexdigest()
+  return out
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+  """Everything but wall-clock figures, as exact float reprs."""
+  return {k: float(v) for k, v in sorted(metrics.items())
+          if not k.startswith(("time/", "perf/"))}
+
+
+def _check(name: str, record: dict) -> None:
+  path = _golden_path()
+  golden = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      golden = json.load(f)
+  if UPDATE:
+    golden[name] = record
+    os.makedirs(GOLDEN_DIR, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(golden, f, indent=1, sort_keys=True)
+    return
+  if name not in golden:
+    pytest.skip(f"No golden values for {name!r} on this CPU ({_cpu_key()}); record them with "
+                "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py")
+  want = golden[name]
+  how = (" If this change is meant to alter the numerics, re-record with "
+         "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py and say why in the "
+         "commit.")
+  assert record["metrics"] == want["metrics"], (
+      "metrics moved: " + ", ".join(
+          f"{k}: {want['metrics'].get(k)} -> {record['metrics'].get(k)}"
+          for k in sorted(set(want["metrics"]) | set(record["metrics"]))
+          if want["metrics"].get(k) != record["metrics"].get(k)) + "." + how)
+  changed = sorted(k for k in set(want["params"]) | set(record["params"])
+                   if want["params"].get(k) != record["params"].get(k))
+  assert not changed, f"parameters moved: {changed[:8]} ({len(changed)} leaves).{how}"
+
+
+def test_golden_train_step():
+  """One compiled update (2 micro-batches, clip branches engaged) on fixed inputs."""
+  model = create_model(get_preset("test"), seed=0)
+  cfg = ts.TrainConfig(lr=1e-3, warmup_steps=0, logit_chunk_size=5, num_micro_batches=2)
+  graphdef, state = ts.init_train_state(model, cfg)
+  b, p, r = 8, 5, 11
+  rng = np.random.RandomState(1234)
+  attn = np.ones((b, p + r), np.int32)
+  for i in range(b):
+    attn[i, :rng.randint(0, p - 1)] = 0
+    attn[i, p + rng.randint(1, r + 1):] = 0
+  ids = np.where(attn == 1, rng.randint(1, 128, (b, p + r)), 0).astype(np.int32)
+  logp, _ = ts.LogProbForward(graphdef, cfg)(state.params, jnp.asarray(ids), jnp.asarray(attn), r)
+  old = (np.asarray(logp) + rng.normal(0, 0.3, (b, r))).astype(np.float32)
+  adv = (np.where(np.arange(b) % 2 == 0, 1.0, -1.0) * rng.uniform(0.5, 1.5, b)).astype(np.float32)
+  batch = ts.TrainBatch(input_ids=ids, attention_mask=attn,
+                        response_mask=attn[:, p:].astype(np.float32), old_log_probs=old,
+                        advantages=adv)
+  state, metrics = ts.TrainStep(graphdef, cfg)(state, jax.tree.map(jnp.asarray, batch), 0)
+  _check("train_step", {"metrics": _scalars(jax.device_get(metrics)),
+                        "params": _digest(state.params)})
+
+
+def test_golden_tiny_run(tmp_path):
+  """train_and_evaluate for 3 steps on the 8 simulated devices, with a final evaluation."""
+  c = _small_config()
+  c.num_steps = 3
+  c.eval.every = 3
+  c.checkpoint.save_every = 3
+  workdir = str(tmp_path / "run")
+  result = train_and_evaluate(c, workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  per_step = {f"{row['step']}:{k}": v for row in rows for k, v in _scalars(
+      {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}).items()}
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  params = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", "3", "params"))
+  _check("tiny_run", {"metrics": {**per_step, **{f"final:{k}": v for k, v in
+                                                 _scalars(result).items()}},
+                      "params": _digest(params)})
