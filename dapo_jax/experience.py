@@ -119,7 +119,7 @@ def global_rollout(rollout, mesh, rules: shd.Rules = shd.SAMPLE_RULES):
     raise ValueError("Several processes need a device mesh (config.mesh).")
 
   def run(state, prompt_ids, prompt_mask, key, params, num_samples):
-    sharding = shd.batch_sharding(mesh, rules, 2, prompt_ids.shape[0])
+    sharding = shd.prompt_sharding(mesh, rules, prompt_ids.shape[0], num_samples)
     out = rollout(state, distributed.host_to_global(prompt_ids, sharding),
                   distributed.host_to_global(prompt_mask, sharding), key, params, num_samples)
     return distributed.global_to_host(out)

@@ -111,7 +111,7 @@ def _mini_batches(traj: exp.Trajectories, adv: np.ndarray, old_logp: np.ndarray,
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
-  config_lib.validate(config)
+  config_lib.validate(config, num_devices=jax.device_count())
   workdir = os.path.abspath(os.path.expanduser(workdir))
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -6,9 +6,9 @@
 #   bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [-- --config.x=y]
 # Options: --version V (runtime image; default per --type, below), --spot, --venv DIR (on the
-# workers, default $HOME/dapo_venv there), --extra E (pip extra, default tpu), --skip-install (use --venv
-# as it is), --foreground (wait for the run; default: a detached tmux session per worker),
-# --dry-run (print the commands). Check first that the config fits:
+# workers; default $HOME/dapo_venv there), --extra E (pip extra, default tpu), --skip-install
+# (use --venv as it is), --foreground (wait for the run; default: a detached tmux session per
+# worker), --dry-run (print the commands). Check first that the config fits:
 #   dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4
 set -euo pipefail
 name="" zone="" type="" config="" workdir="" version="" venv="" pip_extra="tpu"
@@ -89,7 +89,8 @@ if [ "$dry" = 1 ]; then echo "# dapo_run.sh:"; sed 's/^/#   /' "$stage/dapo_run.
 run tar -czf "$stage/dapo_jax.tar.gz" --exclude=.git --exclude=.venv --exclude=workdirs \
   --exclude=__pycache__ --exclude='*.egg-info' -C "$root" . -C "$stage" dapo_run.sh
 run "${tpu[@]}" scp "$stage/dapo_jax.tar.gz" "$name:dapo_jax.tar.gz" --zone "$zone" --worker=all
-run "${ssh_all[@]}" "tmux kill-session -t dapo 2>/dev/null; rm -rf ~/dapo_jax && mkdir ~/dapo_jax && tar -xzf ~/dapo_jax.tar.gz -C ~/dapo_jax"
+run "${ssh_all[@]}" "tmux kill-session -t dapo 2>/dev/null; rm -rf ~/dapo_jax && mkdir ~/dapo_jax &&
+  tar -xzf ~/dapo_jax.tar.gz -C ~/dapo_jax"
 
 # 3. Python 3.11+ with the dependencies on every worker (never a copy of a local env).
 run "${ssh_all[@]}" \
@@ -99,8 +100,8 @@ run "${ssh_all[@]}" \
 if [ "$foreground" = 1 ]; then
   run "${ssh_all[@]}" "bash ~/dapo_jax/dapo_run.sh"
 else
-  run "${ssh_all[@]}" \
-    "tmux kill-session -t dapo 2>/dev/null; tmux new-session -d -s dapo 'bash ~/dapo_jax/dapo_run.sh'"
+  run "${ssh_all[@]}" "tmux kill-session -t dapo 2>/dev/null;
+    tmux new-session -d -s dapo 'bash ~/dapo_jax/dapo_run.sh'"
   echo "Follow a worker: gcloud compute tpus tpu-vm ssh $name --zone $zone --worker=0" \
        "--command 'tail -f ~/dapo_train.log'"
 fi
