@@ -142,7 +142,13 @@ with open(cfg["calls"], "a") as f:
   f.write(json.dumps(argv) + "\\n")
 if argv[:3] != ["compute", "tpus", "tpu-vm"] or len(argv) < 5:
   sys.exit("fake gcloud: only 'compute tpus tpu-vm VERB NAME ...' is simulated")
-verb, name, rest = argv[3], argv[4], argv[5:]
+verb, rest = argv[3], argv[4:]
+# Positional arguments: NAME for most verbs; SRC... NAME:DEST for scp.
+values = {{i + 1 for i, a in enumerate(rest) if a in ("--zone", "--worker", "--command",
+                                                    "--accelerator-type", "--version",
+                                                    "--format")}}
+positional = [a for i, a in enumerate(rest) if not a.startswith("--") and i not in values]
+name = positional[-1].split(":", 1)[0]
 
 
 def opt(flag, default=None):
@@ -191,9 +197,10 @@ elif verb in ("scp", "ssh"):
   if vm is None or vm["state"] != "READY":
     sys.exit(f"ERROR: {{name}} is not READY ({{vm and vm['state']}})")
   if verb == "scp":
-    src, dst = [a for a in rest if not a.startswith("--") and a != opt("--zone")][:2]
+    *sources, dst = positional
     for i in workers():
-      shutil.copy(src, remote(dst, i))
+      for src in sources:
+        shutil.copy(src, remote(dst, i))
   else:
     cmd = opt("--command")
     port = fakes.free_port()

@@ -215,7 +215,8 @@ def test_tpu_vm_script_trains_on_two_workers_and_resumes_after_preemption(tmp_pa
   # Every ssh went to all workers; the code went over as a tarball, never a virtualenv.
   assert all("--worker=all" in c for c in calls if c[3] in ("ssh", "scp"))
   scps = [c for c in calls if c[3] == "scp"]
-  assert scps and all(c[5].endswith("dapo_jax.tar.gz") and ".venv" not in c[5] for c in scps)
+  assert scps and all(c[4].endswith("dapo_jax.tar.gz") and c[5] == "dapo-test:dapo_jax.tar.gz"
+                      for c in scps)
 
 
 @pytest.mark.parametrize("tpu_type, version", [
