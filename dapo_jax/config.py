@@ -123,10 +123,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
   c.rollout_mesh = []
   # Multislice (several TPU slices joined by the data-centre network, DCN): how many slices each
-  # mesh axis spans, e.g. [("data", 2)] on 2 slices. `mesh` stays the whole mesh; each slice
-  # holds mesh/dcn_mesh of it, so fsdp/tensor collectives stay on a slice's fast ICI links
-  # (jax mesh_utils.create_hybrid_device_mesh). Empty: one slice. GPUs: one process = one slice.
-  c.dcn_mesh = []
+  # mesh axis spans, "axis=slices,...", e.g. "data=2" on 2 slices. `mesh` stays the whole mesh;
+  # each slice holds mesh/dcn_mesh of it, so fsdp/tensor collectives stay on a slice's ICI links
+  # (jax mesh_utils.create_hybrid_device_mesh). "": one slice. GPUs: one process = one slice.
+  c.dcn_mesh = ""
   c.log_every = 1
   c.num_sample_texts = 2  # completions written to the logs per step
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-3, warmup_steps=20))
@@ -242,15 +242,16 @@ def _check_mesh(field: str, axes, bad) -> None:
 
 
 def _check_dcn(c: ml_collections.ConfigDict, bad) -> None:
-  """``dcn_mesh``: (axis, slices) pairs over axes of ``mesh``, slice counts >= 1."""
-  dcn = c.get("dcn_mesh") or []
+  """``dcn_mesh``: "axis=slices,..." over axes of ``mesh``, slice counts >= 1."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   try:
-    pairs = [(str(n), int(k)) for n, k in dcn]
+    pairs = shd.parse_dcn(c.dcn_mesh)
   except (TypeError, ValueError):
-    bad("dcn_mesh", dcn, "expected a list of (axis, slices) pairs, e.g. [('data', 2)]")
+    bad("dcn_mesh", c.dcn_mesh, "expected 'axis=slices,...', e.g. 'data=2'")
   mesh_names = [str(n) for n, _ in c.mesh]
   if any(n not in mesh_names for n, _ in pairs) or any(k < 1 for _, k in pairs):
-    bad("dcn_mesh", dcn, f"axes must be among config.mesh's {mesh_names}, slice counts >= 1")
+    bad("dcn_mesh", c.dcn_mesh, f"axes must be among config.mesh's {mesh_names}, slice counts "
+        ">= 1")
 
 
 def _batch_shards(axes, num_devices: int, field: str, bad) -> tuple[dict[str, int], int]:

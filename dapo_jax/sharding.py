@@ -72,14 +72,29 @@ def resolve_mesh_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> lis
   return sizes
 
 
+def parse_dcn(spec: str | Sequence[tuple[str, int]] | None) -> list[tuple[str, int]]:
+  """``config.dcn_mesh``: ``"data=2"`` (or ``[("data", 2)]``) -> ``[("data", 2)]``."""
+  if not spec:
+    return []
+  if isinstance(spec, str):
+    out = []
+    for part in filter(None, spec.split(",")):
+      name, eq, size = part.partition("=")
+      if not eq or not size.strip().lstrip("-").isdigit():
+        raise ValueError(f"config.dcn_mesh={spec!r}: expected 'axis=slices,...', e.g. 'data=2'.")
+      out.append((name.strip(), int(size)))
+    return out
+  return [(str(n), int(k)) for n, k in spec]
+
+
 def dcn_sizes(names: Sequence[str], sizes: Sequence[int],
-              dcn_axes: Sequence[tuple[str, int]] | None) -> list[int]:
+              dcn_axes: str | Sequence[tuple[str, int]] | None) -> list[int]:
   """Per-axis slice counts of ``config.dcn_mesh``, aligned with ``names`` (1 where unnamed).
 
   ``config.mesh`` stays the whole mesh; ``dcn_mesh`` says how many slices (granules joined by
   the data-centre network) each axis spans, so every axis size must be a multiple of it.
   """
-  dcn = dict((str(n), int(k)) for n, k in (dcn_axes or []))
+  dcn = dict(parse_dcn(dcn_axes))
   stray = [n for n in dcn if n not in names]
   if stray:
     raise ValueError(f"config.dcn_mesh names {stray}, which config.mesh {list(names)} lacks.")
@@ -111,7 +126,7 @@ def device_grid(sizes: Sequence[int], devices: Sequence[Any],
   if len(slices) > 1:
     _log.warning("The devices span %d slices but config.dcn_mesh is empty: the mesh axes may "
                  "cross the slow data-centre network. Set config.dcn_mesh, e.g. "
-                 "[('data', %d)].", len(slices), len(slices))
+                 "'data=%d'.", len(slices), len(slices))
   try:
     return mesh_utils.create_device_mesh(sizes, devices=devices)
   except (ValueError, NotImplementedError, AssertionError) as e:
@@ -122,7 +137,7 @@ def device_grid(sizes: Sequence[int], devices: Sequence[Any],
 
 def make_mesh(axes: Sequence[tuple[str, int]] | None = None,
               devices: Sequence[jax.Device] | None = None,
-              dcn_axes: Sequence[tuple[str, int]] | None = None) -> Mesh:
+              dcn_axes: str | Sequence[tuple[str, int]] | None = None) -> Mesh:
   """Builds a mesh from ``[(name, size), ...]``; one size may be -1 (all remaining devices).
 
   The default ``None`` puts every device on ``fsdp``. ``dcn_axes`` (``config.dcn_mesh``) is

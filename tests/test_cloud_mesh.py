@@ -47,7 +47,7 @@ def test_single_slice_mesh_is_unchanged(axes):
   """No dcn_mesh (or an all-ones one): the device order mesh_utils gave before."""
   sizes = shd.resolve_mesh_sizes(axes, jax.device_count())
   before = mesh_utils.create_device_mesh(sizes, devices=jax.devices())
-  for dcn in (None, [], [("data", 1)]):
+  for dcn in (None, "", "data=1", [("data", 1)]):
     mesh = shd.make_mesh(axes, dcn_axes=dcn)
     assert mesh.axis_names == tuple(a for a, _ in axes)
     np.testing.assert_array_equal(np.vectorize(lambda d: d.id)(mesh.devices),
@@ -99,13 +99,17 @@ def test_dcn_mesh_errors_name_the_setting():
     shd.dcn_sizes(["data", "fsdp"], [4, 2], [("tensor", 2)])
   # One process of CPU devices is one slice: asking for 2 says so instead of guessing.
   with pytest.raises(ValueError, match="config.dcn_mesh asks for 2 slices of 4 devices"):
-    shd.make_mesh([("data", 2), ("fsdp", -1), ("tensor", 1)], dcn_axes=[("data", 2)])
+    shd.make_mesh([("data", 2), ("fsdp", -1), ("tensor", 1)], dcn_axes="data=2")
   c = load_config("dapo_qwen2_5_32b.py")
-  c.dcn_mesh = [("pipeline", 2)]
+  c.dcn_mesh = "pipeline=2"
   with pytest.raises(ValueError, match=r"config.dcn_mesh=.*among config.mesh's"):
     config_lib.validate(c)
-  c.dcn_mesh = [("data", 2)]
+  c.dcn_mesh = "data:2"
+  with pytest.raises(ValueError, match=r"config.dcn_mesh='data:2': expected 'axis=slices"):
+    config_lib.validate(c)
+  c.dcn_mesh = "data=2"
   config_lib.validate(c, num_devices=128)
+  assert shd.parse_dcn("data=2,fsdp=1") == [("data", 2), ("fsdp", 1)]
 
 
 def test_batch_sharding_refuses_a_batch_the_mesh_does_not_divide():
