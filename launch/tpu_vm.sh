@@ -34,8 +34,8 @@ done
 for v in name zone type config workdir; do
   [ -n "${!v}" ] || { echo "--$v is required" >&2; exit 2; }
 done
-# Runtime images per generation (cloud.google.com/tpu/docs/runtimes). They ship Python 3.10;
-# worker_env.sh brings 3.11+ itself, so any of them works.
+# Runtime images per generation (cloud.google.com/tpu/docs/runtimes). Ubuntu 22.04 ones ship
+# Python 3.10; worker_env.sh brings 3.11+ itself, so any of them works.
 if [ -z "$version" ]; then
   case "$type" in
     v6e-*) version="v2-alpha-tpuv6e" ;;
