@@ -41,6 +41,10 @@ def get_config(arg: str | None = None):
   # parallelism: at fsdp 8 or more XLA keeps ~3x the activations per layer (README, dapo-plan
   # table). 32 devices at least.
   c.mesh = [("data", -1), ("fsdp", 4), ("tensor", 8)]
+  # Several slices (multislice, e.g. 2 x v5p-128): how many slices each axis spans, so fsdp and
+  # tensor stay on a slice's ICI links and only data parallelism crosses the DCN:
+  #   --config.dcn_mesh=data=2   (config.mesh stays the whole mesh; README "Cloud")
+  c.dcn_mesh = ""
 
   row = arg or "dapo"
   if row not in TABLE1_ROWS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Iterator
 
 import ml_collections
@@ -123,6 +124,11 @@ def default_config() -> ml_collections.ConfigDict:
   # rollout by sharding.SAMPLE_RULES on `rollout_mesh` (empty: the same devices as `mesh`).
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
   c.rollout_mesh = []
+  # Multislice (several TPU slices joined by the data-centre network, DCN): how many slices each
+  # mesh axis spans, "axis=slices,...", e.g. "data=2" on 2 slices. `mesh` stays the whole mesh;
+  # each slice holds mesh/dcn_mesh of it, so fsdp/tensor collectives stay on a slice's ICI links
+  # (jax mesh_utils.create_hybrid_device_mesh). "": one slice. GPUs: one process = one slice.
+  c.dcn_mesh = ""
   c.log_every = 1  # a log line every N rollout steps when stdout is not a terminal
   c.num_sample_texts = 2  # completions written to the logs per step
   c.logging = ml_collections.ConfigDict()
@@ -169,8 +175,12 @@ def _check_keys(c: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.model.overrides.{key}: not a Qwen2Config field.{hint}")
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the field for values that would fail later or silently."""
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the field for values that would fail later or silently.
+
+  With ``num_devices`` (the run's device count) the batch sizes are also checked against the
+  batch axes of the meshes they are split over.
+  """
 
   def bad(field, value, why):
     raise ValueError(f"config.{field}={value!r}: {why}")
@@ -217,6 +227,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"must be 0 (all at once) or divide algorithm.gen_batch_size={c.algorithm.gen_batch_size}")
   for field in ("mesh", "rollout_mesh"):
     _check_mesh(field, c[field], bad)
+  _check_dcn(c, bad)
+  if num_devices is not None:
+    _check_batch_split(c, num_devices, bad)
   if c.optim.lr <= 0 or c.optim.grad_clip <= 0:
     bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
   if c.data.on_malformed not in ("raise", "skip"):
@@ -261,3 +274,60 @@ def _check_mesh(field: str, axes, bad) -> None:
   sizes = [s for _, s in pairs]
   if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
     bad(field, axes, "sizes must be positive, with at most one -1 (the remaining devices)")
+
+
+def _check_dcn(c: ml_collections.ConfigDict, bad) -> None:
+  """``dcn_mesh``: "axis=slices,..." over axes of ``mesh``, slice counts >= 1."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  try:
+    pairs = shd.parse_dcn(c.dcn_mesh)
+  except (TypeError, ValueError):
+    bad("dcn_mesh", c.dcn_mesh, "expected 'axis=slices,...', e.g. 'data=2'")
+  mesh_names = [str(n) for n, _ in c.mesh]
+  if any(n not in mesh_names for n, _ in pairs) or any(k < 1 for _, k in pairs):
+    bad("dcn_mesh", c.dcn_mesh, f"axes must be among config.mesh's {mesh_names}, slice counts "
+        ">= 1")
+
+
+def _batch_shards(axes, num_devices: int, field: str, bad) -> tuple[dict[str, int], int]:
+  """The batch axes (data, fsdp: both rule tables split the batch over them) of a mesh."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  try:
+    sizes = shd.resolve_mesh_sizes([(str(n), int(s)) for n, s in axes], num_devices)
+  except ValueError as e:
+    bad(field, axes, f"{e}")
+  split = {str(n): s for (n, _), s in zip(axes, sizes) if n in ("data", "fsdp") and s > 1}
+  return split, math.prod(split.values())
+
+
+def _check_batch_split(c: ml_collections.ConfigDict, num_devices: int, bad) -> None:
+  """Every batch-major array must split over the batch axes: a replicated batch makes every
+  device compute every row. Names the setting and the nearest sizes that split."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+
+  def need(field, value, per, shards, axes, what):
+    """``value`` x ``per`` rows must be a multiple of ``shards``."""
+    if (value * per) % shards:
+      near = " or ".join(map(str, shd.nearest_multiples(value, shards // math.gcd(shards, per))))
+      bad(field, value, f"{what} = {value * per} rows do not split over the batch axes {axes} "
+          f"({shards} shards) on {num_devices} devices; use e.g. {near}, or change the mesh")
+
+  train_axes, train = _batch_shards(c.mesh, num_devices, "mesh", bad)
+  roll_axes, roll = _batch_shards(c.rollout_mesh or c.mesh, num_devices,
+                                  "rollout_mesh" if c.rollout_mesh else "mesh", bad)
+  o, n = c.optim, c.rollout.n
+  need("optim.mini_batch_size", o.mini_batch_size, n, train, train_axes,
+       f"optim.mini_batch_size x rollout.n ({o.mini_batch_size} x {n})")
+  if c.sft.steps > 0:
+    need("sft.batch_size", c.sft.batch_size, 1, train, train_axes,
+         "sft.batch_size")
+  if c.rollout.engine == "static":
+    gen, ppc = c.algorithm.gen_batch_size, c.rollout.prompts_per_call
+    field, prompts = (("rollout.prompts_per_call", ppc) if 0 < ppc < gen
+                      else ("algorithm.gen_batch_size", gen))
+    need(field, prompts, n, roll, roll_axes,
+         f"{field.split('.')[1]} x rollout.n ({prompts} x {n}) rollout")
+  if c.eval.every > 0 and c.data.eval:
+    need("eval.batch_size", c.eval.batch_size, c.eval.num_samples, roll,
+         roll_axes, f"eval.batch_size x eval.num_samples ({c.eval.batch_size} x "
+         f"{c.eval.num_samples})")

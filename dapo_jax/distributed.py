@@ -26,19 +26,46 @@ if TYPE_CHECKING:
   from dapo_jax.rewards.batch import RewardBatch
 
 _log = logging.getLogger(__name__)
-_ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
-              "MEGASCALE_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE")
+
+
+def _detected_cluster() -> Any:
+  """The cluster environment ``jax.distributed.initialize()`` would pick, or None.
+
+  JAX's own detection (``jax._src.clusters``, in its order, opt-in methods such as mpi4py
+  skipped): a GCE TPU VM answers through the metadata server (``agent-worker-number``,
+  ``worker-network-endpoints``), GKE TPU pods set TPU_WORKER_HOSTNAMES, SLURM its SLURM_*
+  variables, Open MPI its ORTE URI. A plain TPU VM sets no variable at all, so no list of
+  environment hints can replace asking JAX.
+  """
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if not env.opt_in_only_method and env.is_env_present():
+      return env
+  return None
 
 
 def maybe_initialize() -> bool:
   """Initialises the distributed runtime when the environment names several processes.
 
-  Cloud TPU pod slices, SLURM and Open MPI launches are detected by JAX itself; a plain
-  multi-node launch sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
-  JAX_LOCAL_DEVICE_IDS (comma-separated) limits the devices a process owns. CPU processes talk
-  through gloo collectives.
+  An explicit launch sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+  (launch/multinode_gpu.sh); otherwise JAX's cluster detection decides (Cloud TPU VM pod
+  slices, GKE, SLURM, Open MPI). One process (a single-host slice, ``srun -n1``, a laptop) stays
+  a no-op. JAX_LOCAL_DEVICE_IDS (comma-separated) limits the devices a process owns. CPU
+  processes talk through gloo collectives.
   """
-  if not any(os.environ.get(k) for k in _ENV_HINTS):
+  explicit = bool(os.environ.get("JAX_COORDINATOR_ADDRESS") and
+                  os.environ.get("JAX_NUM_PROCESSES"))
+  if explicit:
+    num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    source = "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES"
+  else:
+    env = _detected_cluster()
+    if env is None:
+      return False
+    num_processes = env.get_process_count()
+    source = env.__name__
+  if num_processes <= 1:
+    _log.info("%s names one process: jax.distributed not started.", source)
     return False
   if "cpu" in os.environ.get("JAX_PLATFORMS", ""):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -46,15 +73,16 @@ def maybe_initialize() -> bool:
   # otherwise; one process per node owning all its GPUs sets JAX_LOCAL_DEVICE_IDS=0,...,7.
   ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
   local_device_ids = [int(i) for i in ids.split(",")] if ids else None
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") and os.environ.get("JAX_NUM_PROCESSES"):
+  if explicit:
     jax.distributed.initialize(
         coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        num_processes=num_processes,
         process_id=int(os.environ.get("JAX_PROCESS_ID", "0")),
         local_device_ids=local_device_ids)
   else:
-    jax.distributed.initialize(local_device_ids=local_device_ids)
-  _log.info("jax.distributed: process %d of %d, %d local / %d global devices",
+    jax.distributed.initialize(local_device_ids=local_device_ids,
+                               cluster_detection_method=env.name)
+  _log.info("jax.distributed (%s): process %d of %d, %d local / %d global devices", source,
             jax.process_index(), jax.process_count(), jax.local_device_count(),
             jax.device_count())
   return True
@@ -131,7 +159,7 @@ def global_rollout(rollout: Callable[..., Any], mesh: Mesh | None,
     raise ValueError("Several processes need a device mesh (config.mesh).")
 
   def run(state, prompt_ids, prompt_mask, key, params, num_samples):
-    sharding = shd.batch_sharding(mesh, rules, 2, prompt_ids.shape[0])
+    sharding = shd.prompt_sharding(mesh, rules, prompt_ids.shape[0], num_samples)
     out = rollout(state, host_to_global(prompt_ids, sharding),
                   host_to_global(prompt_mask, sharding), key, params, num_samples)
     return global_to_host(out)

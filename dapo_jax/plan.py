@@ -221,7 +221,7 @@ def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: M
   train_sh = shd.state_shardings(state, train_mesh, shd.TRAIN_RULES)
   b = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
   p = config.data.max_prompt_length
-  prompt_sh = shd.batch_sharding(rollout_mesh, shd.SAMPLE_RULES, 2, b)
+  prompt_sh = shd.prompt_sharding(rollout_mesh, shd.SAMPLE_RULES, b, config.rollout.n)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype,
                              sharding=NamedSharding(rollout_mesh, PartitionSpec()))

@@ -39,7 +39,8 @@ def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
   """``config.rollout_mesh`` (else ``config.mesh``) over every device; None on one device."""
   if jax.device_count() == 1:
     return None
-  return shd.make_mesh([tuple(a) for a in (config.get("rollout_mesh") or config.mesh)])
+  return shd.make_mesh([tuple(a) for a in (config.get("rollout_mesh") or config.mesh)],
+                       dcn_axes=config.get("dcn_mesh"))
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:

@@ -42,7 +42,7 @@ def build_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
   """The training mesh; None on a single device (no sharding machinery at all)."""
   if jax.device_count() == 1:
     return None
-  return shd.make_mesh([tuple(a) for a in config.mesh])
+  return shd.make_mesh([tuple(a) for a in config.mesh], dcn_axes=config.get("dcn_mesh"))
 
 
 def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | None
@@ -55,7 +55,7 @@ def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | Non
   axes = config.get("rollout_mesh") or []
   if train_mesh is None or not axes:
     return train_mesh
-  return shd.make_mesh([tuple(a) for a in axes])
+  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=config.get("dcn_mesh"))
 
 
 def build_tokenizer(config: ml_collections.ConfigDict):

@@ -51,15 +51,8 @@ SAMPLE_RULES: Rules = tuple(
 _log = logging.getLogger(__name__)
 
 
-def make_mesh(axes: Sequence[tuple[str, int]] | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a mesh from ``[(name, size), ...]``; one size may be -1 (all remaining devices).
-
-  The default ``None`` puts every device on ``fsdp``.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  if axes is None:
-    axes = [("data", 1), ("fsdp", -1), ("tensor", 1)]
+def resolve_mesh_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> list[int]:
+  """Axis sizes with the one -1 resolved; raises naming the mesh when they cannot fit."""
   names = [a for a, _ in axes]
   sizes = [int(s) for _, s in axes]
   unknown = [n for n in names if n not in MESH_AXES]
@@ -68,20 +61,95 @@ def make_mesh(axes: Sequence[tuple[str, int]] | None = None,
   if sizes.count(-1) > 1:
     raise ValueError(f"At most one mesh axis may be -1, got {list(axes)}.")
   known = math.prod(s for s in sizes if s != -1)
-  if known <= 0 or len(devices) % known:
+  if known <= 0 or num_devices % known:
     raise ValueError(
-        f"Mesh {list(axes)} does not divide the {len(devices)} available devices.")
-  sizes = [len(devices) // known if s == -1 else s for s in sizes]
-  if math.prod(sizes) != len(devices):
+        f"Mesh {list(axes)} does not divide the {num_devices} available devices.")
+  sizes = [num_devices // known if s == -1 else s for s in sizes]
+  if math.prod(sizes) != num_devices:
     raise ValueError(
         f"Mesh {dict(zip(names, sizes))} uses {math.prod(sizes)} devices but "
-        f"{len(devices)} are available; use -1 for one axis to absorb the rest.")
+        f"{num_devices} are available; use -1 for one axis to absorb the rest.")
+  return sizes
+
+
+def parse_dcn(spec: str | Sequence[tuple[str, int]] | None) -> list[tuple[str, int]]:
+  """``config.dcn_mesh``: ``"data=2"`` (or ``[("data", 2)]``) -> ``[("data", 2)]``."""
+  if not spec:
+    return []
+  if isinstance(spec, str):
+    out = []
+    for part in filter(None, spec.split(",")):
+      name, eq, size = part.partition("=")
+      if not eq or not size.strip().lstrip("-").isdigit():
+        raise ValueError(f"config.dcn_mesh={spec!r}: expected 'axis=slices,...', e.g. 'data=2'.")
+      out.append((name.strip(), int(size)))
+    return out
+  return [(str(n), int(k)) for n, k in spec]
+
+
+def dcn_sizes(names: Sequence[str], sizes: Sequence[int],
+              dcn_axes: str | Sequence[tuple[str, int]] | None) -> list[int]:
+  """Per-axis slice counts of ``config.dcn_mesh``, aligned with ``names`` (1 where unnamed).
+
+  ``config.mesh`` stays the whole mesh; ``dcn_mesh`` says how many slices (granules joined by
+  the data-centre network) each axis spans, so every axis size must be a multiple of it.
+  """
+  dcn = dict(parse_dcn(dcn_axes))
+  stray = [n for n in dcn if n not in names]
+  if stray:
+    raise ValueError(f"config.dcn_mesh names {stray}, which config.mesh {list(names)} lacks.")
+  out = [dcn.get(n, 1) for n in names]
+  for n, size, k in zip(names, sizes, out):
+    if k < 1 or size % k:
+      raise ValueError(f"config.dcn_mesh: axis {n!r} of size {size} cannot span {k} slices; "
+                       f"its size must be a multiple of its slice count.")
+  return out
+
+
+def device_grid(sizes: Sequence[int], devices: Sequence[Any],
+                dcn: Sequence[int] | None = None) -> np.ndarray:
+  """The device array of a mesh: ``mesh_utils`` topology-aware order; with ``dcn`` slice counts
+  above 1, the hybrid mesh (each slice a contiguous block, so only the axes named in
+  ``config.dcn_mesh`` cross the slow network). Devices without ``slice_index`` (GPU, CPU)
+  count one process as one slice."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  if dcn is not None and math.prod(dcn) > 1:
+    per_slice = [s // k for s, k in zip(sizes, dcn)]
+    by_process = not hasattr(devices[0], "slice_index")
+    try:
+      return mesh_utils.create_hybrid_device_mesh(per_slice, list(dcn), devices,
+                                                  process_is_granule=by_process)
+    except ValueError as e:
+      raise ValueError(f"config.dcn_mesh asks for {math.prod(dcn)} slices of "
+                       f"{math.prod(per_slice)} devices: {e}") from e
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  if len(slices) > 1:
+    _log.warning("The devices span %d slices but config.dcn_mesh is empty: the mesh axes may "
+                 "cross the slow data-centre network. Set config.dcn_mesh, e.g. "
+                 "'data=%d'.", len(slices), len(slices))
   try:
-    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
-    arr = mesh_utils.create_device_mesh(sizes, devices=devices)
-  except Exception:  # Simulated CPU devices have no physical topology.
-    arr = np.asarray(devices).reshape(sizes)
-  return Mesh(arr, tuple(names))
+    return mesh_utils.create_device_mesh(sizes, devices=devices)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    _log.warning("mesh_utils cannot map the mesh %s onto the device topology (%s); using the "
+                 "devices in id order, which may put an axis across slow links.", list(sizes), e)
+    return np.asarray(devices).reshape(sizes)
+
+
+def make_mesh(axes: Sequence[tuple[str, int]] | None = None,
+              devices: Sequence[jax.Device] | None = None,
+              dcn_axes: str | Sequence[tuple[str, int]] | None = None) -> Mesh:
+  """Builds a mesh from ``[(name, size), ...]``; one size may be -1 (all remaining devices).
+
+  The default ``None`` puts every device on ``fsdp``. ``dcn_axes`` (``config.dcn_mesh``) is
+  the multislice layout: how many slices each axis spans.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if axes is None:
+    axes = [("data", 1), ("fsdp", -1), ("tensor", 1)]
+  names = [a for a, _ in axes]
+  sizes = resolve_mesh_sizes(axes, len(devices))
+  dcn = dcn_sizes(names, sizes, dcn_axes)
+  return Mesh(device_grid(sizes, devices, dcn), tuple(names))
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules,
@@ -173,12 +241,79 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, batch_size: int | None = None
-                   ) -> NamedSharding:
-  """Sharding for a batch-major array: batch over the data axes, the rest replicated."""
-  shape = None if batch_size is None else (batch_size,) + (1,) * (ndim - 1)
+def batch_axes(mesh: Mesh, rules: Rules) -> dict[str, int]:
+  """The mesh axes (name: size) that split the batch under ``rules``."""
+  axis = dict(rules).get("batch")
+  axes = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+  return {a: mesh.shape[a] for a in axes if a in mesh.shape and mesh.shape[a] > 1}
+
+
+def nearest_multiples(value: int, multiple: int) -> list[int]:
+  """The multiples of ``multiple`` just below and above ``value`` (for error messages)."""
+  below, above = value // multiple * multiple, -(-value // multiple) * multiple
+  return [v for v in dict.fromkeys((below, above)) if v > 0]
+
+
+# The config fields that set the leading dimension of a batch-major array.
+BATCH_SETTINGS = ("rollout.prompts_per_call (or algorithm.gen_batch_size)", "eval.batch_size",
+                  "optim.mini_batch_size x rollout.n", "sft.batch_size")
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, batch_size: int | None = None,
+                   setting: str | None = None) -> NamedSharding:
+  """Sharding for a batch-major array: batch over the data axes, the rest replicated.
+
+  A ``batch_size`` the batch axes do not divide raises: left replicated, every device would
+  compute every row. ``setting`` names the config field the size comes from.
+  """
+  if batch_size is not None:
+    axes = batch_axes(mesh, rules)
+    shards = math.prod(axes.values())
+    if batch_size % shards:
+      where = setting or "one of " + ", ".join(BATCH_SETTINGS)
+      raise ValueError(
+          f"A batch of {batch_size} rows does not split over the mesh's batch axes {axes} "
+          f"({shards} shards). Set {where} to a multiple of {shards}, e.g. "
+          f"{' or '.join(map(str, nearest_multiples(batch_size, shards)))}, or change "
+          "config.mesh / config.rollout_mesh.")
   names = ("batch",) + (None,) * (ndim - 1)
-  return NamedSharding(mesh, logical_to_spec(names, rules, shape, mesh))
+  return NamedSharding(mesh, logical_to_spec(names, rules, None, mesh))
+
+
+_WARNED_PROMPTS: set[tuple[int, int]] = set()
+
+
+def prompt_sharding(mesh: Mesh, rules: Rules, num_prompts: int, num_samples: int,
+                    ndim: int = 2) -> NamedSharding:
+  """Sharding of the prompts of one rollout call, whose ``num_prompts x num_samples`` rows the
+  decode loop splits over the batch axes.
+
+  Rows the batch axes do not divide raise (every device would decode every row). Prompts they
+  do not divide while the rows are (e.g. 4 prompts x 4 samples on 8 devices) only replicate the
+  prefill of the prompts; that is logged once per size, with the settings to change.
+  """
+  axes = batch_axes(mesh, rules)
+  shards = math.prod(axes.values())
+  rows = num_prompts * num_samples
+  if rows % shards:
+    raise ValueError(
+        f"A rollout call of {num_prompts} prompts x {num_samples} samples = {rows} rows does "
+        f"not split over the mesh's batch axes {axes} ({shards} shards): every device would "
+        "decode every row. Set rollout.prompts_per_call (or algorithm.gen_batch_size; "
+        f"eval.batch_size for evaluation) so that prompts x samples is a multiple of {shards}, "
+        f"e.g. {' or '.join(map(str, nearest_multiples(num_prompts, shards)))} prompts, or change "
+        "config.rollout_mesh.")
+  if num_prompts % shards and (num_prompts, shards) not in _WARNED_PROMPTS:
+    _WARNED_PROMPTS.add((num_prompts, shards))
+    _log.warning(
+        "%d prompts per rollout call do not split over the batch axes %s (%d shards): every "
+        "device prefills all of them (the %d decode rows are split). rollout.prompts_per_call "
+        "(or algorithm.gen_batch_size / eval.batch_size) = %s would split the prefill too.",
+        num_prompts, axes, shards, rows,
+        " or ".join(map(str, nearest_multiples(num_prompts, shards))))
+  names = ("batch",) + (None,) * (ndim - 1)
+  return NamedSharding(mesh, logical_to_spec(names, rules, (num_prompts,) + (1,) * (ndim - 1),
+                                             mesh))
 
 
 def reshard(tree: Any, shardings: Any, donate: bool = False) -> Any:

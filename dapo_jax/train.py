@@ -98,7 +98,7 @@ class _StopRequest:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
-  config_lib.validate(config)
+  config_lib.validate(config, num_devices=jax.device_count())
   workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL, config.json
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
     run, state = run_setup.build_run(config, workdir)

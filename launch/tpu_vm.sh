@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# DAPO on a Cloud TPU VM slice: create, copy the code, install, run on every worker in tmux with a
-# log per worker, checkpoints and metrics in a GCS workdir.
+# DAPO on a Cloud TPU VM slice: create the slice (or reuse it; a preempted one is recreated),
+# copy the code, make a Python 3.11+ environment on every worker, start the same dapo-train on
+# every worker. Checkpoints and metrics go to the workdir (gs://...), so running the same
+# command again after a preemption resumes the run from its newest checkpoint.
 #   bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
-#       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [--dry-run] [-- --config.x=y]
-# --dry-run prints every command instead of running it. Check first that the config fits:
+#       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [-- --config.x=y]
+# Options: --version V (runtime image; default per --type, below), --spot, --venv DIR (on the
+# workers; default $HOME/dapo_venv there), --extra E (pip extra, default tpu), --skip-install
+# (use --venv as it is), --foreground (wait for the run; default: a detached tmux session per
+# worker), --dry-run (print the commands). Check first that the config fits:
 #   dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4
 set -euo pipefail
-name="" zone="" type="" config="" workdir="" version="v2-alpha-tpuv5" dry=0 extra=()
+name="" zone="" type="" config="" workdir="" version="" venv="" pip_extra="tpu"
+skip_install=0 foreground=0 spot=0 dry=0 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --name) name="$2"; shift 2 ;;
@@ -15,6 +21,11 @@ while [ $# -gt 0 ]; do
     --config) config="$2"; shift 2 ;;
     --workdir) workdir="$2"; shift 2 ;;
     --version) version="$2"; shift 2 ;;
+    --venv) venv="$2"; shift 2 ;;
+    --extra) pip_extra="$2"; shift 2 ;;
+    --skip-install) skip_install=1; shift ;;
+    --foreground) foreground=1; shift ;;
+    --spot) spot=1; shift ;;
     --dry-run) dry=1; shift ;;
     --) shift; extra=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -23,15 +34,74 @@ done
 for v in name zone type config workdir; do
   [ -n "${!v}" ] || { echo "--$v is required" >&2; exit 2; }
 done
+# Runtime images per generation (cloud.google.com/tpu/docs/runtimes). Ubuntu 22.04 ones ship
+# Python 3.10; worker_env.sh brings 3.11+ itself, so any of them works.
+if [ -z "$version" ]; then
+  case "$type" in
+    v6e-*) version="v2-alpha-tpuv6e" ;;
+    v5p-*) version="v2-alpha-tpuv5" ;;
+    v5litepod-*|v5e-*) version="v2-alpha-tpuv5-lite" ;;
+    v4-*|v3-*|v2-*) version="tpu-ubuntu2204-base" ;;
+    *) echo "no default runtime image for --type $type; pass --version" >&2; exit 2 ;;
+  esac
+fi
 run() { if [ "$dry" = 1 ]; then printf '+'; printf ' %q' "$@"; echo; else "$@"; fi; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
-ssh_all=(gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" --worker=all --command)
-run gcloud compute tpus tpu-vm create "$name" --zone "$zone" --accelerator-type "$type" \
-  --version "$version"
-run gcloud compute tpus tpu-vm scp --recurse "$root" "$name:~/dapo_jax" --zone "$zone" --worker=all
-run "${ssh_all[@]}" "cd ~/dapo_jax && python3 -m pip install -q -e '.[tpu]'"
-# jax.distributed.initialize() finds the other workers by itself on a TPU pod slice.
-# pip's console scripts land in ~/.local/bin, which a non-login ssh command may not have.
-cmd="cd ~/dapo_jax && export PATH=\$HOME/.local/bin:\$PATH && dapo-train --config $config --workdir $workdir ${extra[*]:-}"
-run "${ssh_all[@]}" "tmux new-session -d -s dapo \"$cmd 2>&1 | tee ~/dapo_worker_\\\$(hostname).log\""
-echo "Follow a worker: gcloud compute tpus tpu-vm ssh $name --zone $zone --worker=0 --command 'tail -f ~/dapo_worker_*.log'"
+tpu=(gcloud compute tpus tpu-vm)
+ssh_all=("${tpu[@]}" ssh "$name" --zone "$zone" --worker=all --command)
+
+# 1. The slice: reuse a running one; a preempted (or stopped) one cannot restart, so recreate it.
+state=""
+if [ "$dry" = 0 ]; then
+  state="$("${tpu[@]}" describe "$name" --zone "$zone" --format='value(state)' 2>/dev/null)" \
+    || state=""
+fi
+case "$state" in
+  READY|CREATING|STARTING|RESTARTING) echo "TPU $name is $state: reusing it." ;;
+  *)
+    if [ -n "$state" ]; then
+      echo "TPU $name is $state: deleting and recreating it."
+      run "${tpu[@]}" delete "$name" --zone "$zone" --quiet
+    fi
+    create=("${tpu[@]}" create "$name" --zone "$zone" --accelerator-type "$type"
+            --version "$version")
+    [ "$spot" = 0 ] || create+=(--spot)
+    run "${create[@]}" ;;
+esac
+
+# 2. The code: the tree as a tarball (no .git, .venv, workdirs), plus dapo_run.sh: the command
+# every worker runs. jax.distributed finds the other workers through the metadata server
+# (dapo_jax.distributed.maybe_initialize); the trainer resumes from --workdir by itself.
+venv_arg="\$HOME/dapo_venv"  # expanded on the worker
+[ -z "$venv" ] || venv_arg="$(printf '%q' "$venv")"
+stage="$(mktemp -d -t dapo_launch_XXXXXX)"
+trap 'rm -rf "$stage"' EXIT
+cat >"$stage/dapo_run.sh" <<EOF
+#!/usr/bin/env bash
+# Written by launch/tpu_vm.sh: the command every worker runs; its log is ~/dapo_train.log.
+cd "\$HOME/dapo_jax"
+export PYTHONPATH="\$HOME/dapo_jax\${PYTHONPATH:+:\$PYTHONPATH}"
+$venv_arg/bin/python -m dapo_jax.main$(printf ' %q' --config "$config" --workdir "$workdir" \
+  "${extra[@]}") 2>&1 | tee -a "\$HOME/dapo_train.log"
+exit "\${PIPESTATUS[0]}"
+EOF
+if [ "$dry" = 1 ]; then echo "# dapo_run.sh:"; sed 's/^/#   /' "$stage/dapo_run.sh"; fi
+run tar -czf "$stage/dapo_jax.tar.gz" --exclude=.git --exclude=.venv --exclude=workdirs \
+  --exclude=__pycache__ --exclude='*.egg-info' -C "$root" . -C "$stage" dapo_run.sh
+run "${tpu[@]}" scp "$stage/dapo_jax.tar.gz" "$name:dapo_jax.tar.gz" --zone "$zone" --worker=all
+run "${ssh_all[@]}" "tmux kill-session -t dapo 2>/dev/null; rm -rf ~/dapo_jax && mkdir ~/dapo_jax &&
+  tar -xzf ~/dapo_jax.tar.gz -C ~/dapo_jax"
+
+# 3. Python 3.11+ with the dependencies on every worker (never a copy of a local env).
+run "${ssh_all[@]}" \
+  "bash ~/dapo_jax/launch/worker_env.sh $venv_arg $(printf '%q' "$pip_extra") $skip_install"
+
+# 4. The same command on every worker.
+if [ "$foreground" = 1 ]; then
+  run "${ssh_all[@]}" "bash ~/dapo_jax/dapo_run.sh"
+else
+  run "${ssh_all[@]}" "tmux kill-session -t dapo 2>/dev/null;
+    tmux new-session -d -s dapo 'bash ~/dapo_jax/dapo_run.sh'"
+  echo "Follow a worker: gcloud compute tpus tpu-vm ssh $name --zone $zone --worker=0" \
+       "--command 'tail -f ~/dapo_train.log'"
+fi

@@ -206,7 +206,7 @@ class Sampler:
     if self.mesh is not None:
       # A no-op when the arrays already sit in these layouts (e.g. on the second call).
       state = jax.device_put(state, shd.state_shardings(state, self.mesh, self.rules))
-      batch = shd.batch_sharding(self.mesh, self.rules, 2, prompt_ids.shape[0])
+      batch = shd.prompt_sharding(self.mesh, self.rules, prompt_ids.shape[0], num_samples)
       prompt_ids, prompt_mask = jax.device_put((prompt_ids, prompt_mask), batch)
     return self._program(state, prompt_ids, prompt_mask, key, params=params,
                          num_samples=num_samples)
