@@ -18,11 +18,12 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import stat
 import sys
 import threading
 from typing import Any
+
+from tests.processes import free_port  # noqa: F401  (the fake gcloud/srun scripts use fakes.free_port)
 
 # Variables of the test session that a fresh cloud worker would not have.
 _FOREIGN_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
@@ -30,11 +31,6 @@ _FOREIGN_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
                 "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID",
                 "PYTEST_CURRENT_TEST")
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def worker_env(base: dict[str, str], local_devices: int) -> dict[str, str]:

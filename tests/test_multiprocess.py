@@ -12,13 +12,13 @@ with the process layout given by the JAX_* environment variables.
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import zlib
 
 import numpy as np
-import pytest
+
+from tests.processes import free_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS = 2
@@ -69,11 +69,6 @@ def _worker(workdir: str) -> None:
                "local_devices": jax.local_device_count(), "result": result}, f)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
 
 def _spawn(workdir, local_devices, env_extra):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
@@ -109,20 +104,11 @@ def _metrics(workdir):
 
 def test_two_processes_match_one(tmp_path):
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  coord = f"localhost:{_free_port()}"
+  coord = f"localhost:{free_port()}"
   procs = [_spawn(one, 8, {})]
   procs += [_spawn(two, 4, {"JAX_COORDINATOR_ADDRESS": coord, "JAX_NUM_PROCESSES": "2",
                             "JAX_PROCESS_ID": str(i)}) for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=420)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("a training process hung (is a collective waiting for a peer?)")
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-4000:]
+  wait_all(procs, 420, "a training process")
 
   workers = [json.load(open(os.path.join(two, f"worker{i}.json"))) for i in range(2)]
   assert [w["local_devices"] for w in workers] == [4, 4]

@@ -7,11 +7,12 @@ the process layout given by the JAX_* environment variables.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.processes import free_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config.data.eval=arithmetic", "--config.data.arithmetic.num_eval=8",
@@ -45,11 +46,6 @@ def _worker(ckpt: str, out: str) -> None:
                "devices": jax.device_count()}, f)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
 
 def _spawn(ckpt, out, local_devices, env_extra):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
@@ -73,21 +69,12 @@ def test_two_processes_evaluate_like_one(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   one.mkdir()
   two.mkdir()
-  coord = f"localhost:{_free_port()}"
+  coord = f"localhost:{free_port()}"
   procs = [_spawn(ckpt, str(one), 8, {})]
   procs += [_spawn(ckpt, str(two), 4, {"JAX_COORDINATOR_ADDRESS": coord,
                                        "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
             for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=420)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("an evaluation process hung (is a collective waiting for a peer?)")
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-4000:]
+  wait_all(procs, 420, "an evaluation process")
   single = json.load(open(one / "worker0.json"))
   workers = [json.load(open(two / f"worker{i}.json")) for i in range(2)]
   assert [w["devices"] for w in workers] == [8, 8]

@@ -13,9 +13,9 @@ tests/test_restore_agreement.py OUT_DIR`` with the JAX_* variables set.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
+from tests.processes import free_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,16 +88,11 @@ def _worker(out: str) -> None:
     json.dump(result, f)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
 
 def test_processes_agree_on_the_restored_step(tmp_path):
   out = str(tmp_path)
   _prepare(out)
-  coord = f"127.0.0.1:{_free_port()}"
+  coord = f"127.0.0.1:{free_port()}"
   procs = []
   for i in range(2):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAX_COORDINATOR_ADDRESS=coord,
@@ -105,15 +100,7 @@ def test_processes_agree_on_the_restored_step(tmp_path):
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), out], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  logs = []
-  for p in procs:
-    try:
-      logs.append(p.communicate(timeout=300)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+  logs = wait_all(procs, 300, "a restoring process")
   results = [json.load(open(os.path.join(out, f"result{i}.json"))) for i in range(2)]
   for r in results:
     assert r["split"].startswith("RuntimeError: The processes see different checkpoints")
