@@ -18,6 +18,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
+from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import abstract_model
@@ -44,7 +45,7 @@ def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
-  return epath.Path(os.path.expanduser(workdir)) / "checkpoints"
+  return run_files.resolve(workdir) / "checkpoints"
 
 
 def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None,

@@ -25,12 +25,11 @@ CURVES_FILE = "curves.png"
 
 
 def resolve(path: epath.PathLike) -> epath.Path:
-  """``path`` as an `epath.Path`: ``~`` expanded for local paths, URLs (``gs://``) kept as is.
-
-  A relative local path stays relative (to the working directory), as the user wrote it.
-  """
-  p = epath.Path(path)
-  return p if is_remote(p) else p.expanduser()
+  """``path`` as an `epath.Path`: a URL (``gs://``) as it is; a local path with ``~`` expanded
+  and made absolute (Orbax refuses relative checkpoint paths)."""
+  if is_remote(path):
+    return epath.Path(path)
+  return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
 def is_remote(path: epath.PathLike) -> bool:

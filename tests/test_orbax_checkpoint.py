@@ -142,6 +142,18 @@ def test_keeps_last_n(tmp_path):
   assert r.step == 4 and _tree_equal(r.params, _small_state(4)[0])
 
 
+def test_relative_directory_saves_and_restores(tmp_path, monkeypatch):
+  """`--workdir workdirs/run` (the main job's own): Orbax refuses relative paths, so the
+  checkpointer resolves them against the working directory."""
+  monkeypatch.chdir(tmp_path)
+  with ock.TrainCheckpointer("workdirs/run/checkpoints", max_to_keep=2) as ck:
+    assert str(ck.directory) == str(tmp_path / "workdirs" / "run" / "checkpoints")
+    _save_steps(ck, [1, 2])
+    r = _restore_small(ck)
+  assert r.step == 2 and _tree_equal(r.params, _small_state(2)[0])
+  assert sorted(os.listdir(tmp_path / "workdirs" / "run" / "checkpoints")) == ["1", "2"]
+
+
 def test_async_save_then_immediate_wait_survives_buffer_deletion(tmp_path):
   params, opt = _small_state(1)
   expected = jax.tree.map(np.asarray, params)

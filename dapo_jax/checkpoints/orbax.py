@@ -40,6 +40,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from dapo_jax import run_files
+
 _log = logging.getLogger(__name__)
 
 CORRUPT_SUBDIR = "corrupt"
@@ -369,7 +371,7 @@ class TrainCheckpointer:
 
   def __init__(self, directory: str | epath.PathLike, *, max_to_keep: int | None = 3,
                async_save: bool = True, read_retries: int = 4, retry_backoff_s: float = 2.0):
-    self.directory = epath.Path(directory)
+    self.directory = run_files.resolve(directory)  # absolute, or a gs:// URL
     self._retries, self._backoff_s = read_retries, retry_backoff_s
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -480,7 +482,7 @@ def load_params_only(directory: str | epath.PathLike, step: int | None = None, *
 
   Read-only: never deletes or moves anything, so it is safe next to a running trainer.
   """
-  directory = epath.Path(directory)
+  directory = run_files.resolve(directory)
   if not directory.exists():
     raise CheckpointNotFoundError(f"Checkpoint directory {directory} does not exist.")
   # save_interval_steps=0 and no async: what read_only implies anyway, minus Orbax's warnings.
