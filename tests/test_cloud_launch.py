@@ -68,8 +68,18 @@ def _base_env() -> dict[str, str]:
   return env
 
 
+def _uncached(workdir: str) -> epath.Path:
+  """The workdir as epath sees it now: gcsfs caches listings and sizes, and the workers keep
+  writing the bucket behind this process's back."""
+  if workdir.startswith("gs://"):
+    import fsspec  # pylint: disable=g-import-not-at-top
+    for fs in list(fsspec.get_filesystem_class("gs")._cache.values()):  # pylint: disable=protected-access
+      fs.invalidate_cache()
+  return epath.Path(workdir)
+
+
 def _steps_done(workdir: str) -> list[int]:
-  path = epath.Path(workdir) / "metrics.jsonl"
+  path = _uncached(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
   return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
@@ -77,7 +87,7 @@ def _steps_done(workdir: str) -> list[int]:
 
 def _checkpoints(workdir: str) -> list[int]:
   """Committed checkpoint steps (local or gs://)."""
-  path = epath.Path(workdir) / "checkpoints"
+  path = _uncached(workdir) / "checkpoints"
   if not path.exists():
     return []
   return sorted(int(d.name) for d in path.iterdir()
@@ -229,7 +239,7 @@ def test_tpu_vm_script_trains_on_two_workers_and_resumes_after_preemption(tmp_pa
     assert set(_steps_done(workdir)) == set(range(1, NUM_STEPS + 1))
     assert NUM_STEPS in _checkpoints(workdir)
     # Every artefact in the bucket; nothing of the run on the workers' disks.
-    names = {p.name for p in epath.Path(workdir).iterdir()}
+    names = {p.name for p in _uncached(workdir).iterdir()}
     assert {"config.json", "metrics.jsonl", "checkpoints", "curves.png",
             "final_metrics.json"} <= names, names
     assert not any("workdir" in d or d.startswith("gs:") for i in range(2)
