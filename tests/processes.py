@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from typing import Sequence
@@ -14,6 +15,18 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def process_env(root: str, local_devices: int, env_extra: dict[str, str]) -> dict[str, str]:
+  """A child's environment: CPU JAX with ``local_devices`` devices, this checkout first on the
+  path, and the jax.distributed variables only where ``env_extra`` sets them."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}", **env_extra}
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    if k not in env_extra:
+      env.pop(k, None)
+  return env
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float, what: str) -> list[str]:

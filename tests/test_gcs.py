@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
@@ -26,6 +25,8 @@ from dapo_jax import metrics
 from dapo_jax import run_files
 from dapo_jax.checkpoints import orbax as ock
 from tests.gcs_emulator import GcsEmulator
+from tests.test_orbax_checkpoint import _restore_small as _restore
+from tests.test_orbax_checkpoint import _small_state as _state
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -181,19 +182,6 @@ def test_tokenizer_and_datasets_from_gcs(gcs, bucket, tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def _state(seed):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  params = {"w": jax.random.normal(k1, (64, 32)), "b": jax.random.normal(k2, (32,))}
-  return params, optax.adamw(1e-3).init(params)
-
-
-def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-def _restore(ck, step=None):
-  p, o = _state(0)
-  return ck.restore(step, abstract_params=_abstract(p), abstract_opt_state=_abstract(o))
 
 
 def _saved(directory, steps=(1, 2), **kw):

@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from tests.processes import free_port, wait_all
+from tests.processes import free_port, process_env, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS = 2
@@ -71,12 +71,7 @@ def _worker(workdir: str) -> None:
 
 
 def _spawn(workdir, local_devices, env_extra):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
-      [ROOT, os.environ.get("PYTHONPATH", "")]),
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}", **env_extra}
-  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-    if k not in env_extra:
-      env.pop(k, None)
+  env = process_env(ROOT, local_devices, env_extra)
   return subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
