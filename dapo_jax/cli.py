@@ -21,6 +21,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from dapo_jax import run_files
+
 WORKDIR_CONFIG = os.path.abspath(__file__)
 # Config leaves that name a local or gs:// path: "~" is expanded in each (data.train/eval may
 # also be a dataset name, which expanduser leaves alone).
@@ -69,8 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = c.model.dtype = "float32"
     c.model.remat = "none"
     return c
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  path = epath.Path(os.path.expanduser(arg)) / "config.json"
+  path = run_files.resolve(arg) / run_files.CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {arg} a dapo-train workdir? Pass --config "
                             "with the config file the run used.")
@@ -90,7 +91,9 @@ def expand_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
 
 def expand(path: str | None) -> str | None:
-  return None if path is None else os.path.expanduser(path)
+  """A path flag as the commands use it (``run_files.resolve``: ``~`` expanded, local made
+  absolute, ``gs://`` kept)."""
+  return None if path is None else os.fspath(run_files.resolve(path))
 
 
 def _has_config(argv: Sequence[str]) -> bool:

@@ -17,7 +17,6 @@ dapo-eval, dapo-serve, dapo-export and dapo-plan take the same --config and over
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from absl import app
@@ -41,7 +40,7 @@ def main(argv):
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
-  train_and_evaluate(cli.expand_paths(_CONFIG.value), os.path.expanduser(_WORKDIR.value))
+  train_and_evaluate(cli.expand_paths(_CONFIG.value), cli.expand(_WORKDIR.value))
 
 
 def run():
