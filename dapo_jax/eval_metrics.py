@@ -86,6 +86,16 @@ def default_ks(n: int) -> list[int]:
   return sorted(set(ks + [n]))
 
 
+def samples_per_problem(problem_ids: Iterable[Hashable], num_samples: int) -> int:
+  """The K of ``summarize``'s ``avg@K`` for these rows: the fewest rows of any problem times
+  the samples drawn per row (the AIME file's 32 copies x 1 sample -> 32)."""
+  counts = collections.Counter(problem_ids)
+  if not counts or num_samples < 1:
+    raise ValueError(f"need at least one row and num_samples >= 1, got {len(counts)} problems "
+                     f"and num_samples={num_samples}.")
+  return min(counts.values()) * int(num_samples)
+
+
 def summarize(results: Iterable[tuple[Hashable, Hashable | None, Any]],
               ks: Sequence[int] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """Dataset summary and per-problem rows from ``(problem_id, pred, acc)`` triples.

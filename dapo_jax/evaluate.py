@@ -59,7 +59,11 @@ class Evaluator:
     self.generator = generation.Generator(
         rollout, tokenizer, scorer, self.params, num_samples=config.eval.num_samples,
         max_prompt_length=config.data.max_prompt_length)
-    self.headline = f"eval/avg@{config.eval.num_samples}"  # the number a run is judged by
+    # The number a run is judged by: summarize's avg@K, K = samples per problem (rows repeating
+    # a problem, as the AIME file's 32 copies, each add eval.num_samples).
+    k = (eval_metrics.samples_per_problem(map(problem_id, self.records), config.eval.num_samples)
+         if self.records else config.eval.num_samples)
+    self.headline = f"eval/avg@{k}"
     self.last_rows: list[dict[str, Any]] = []
     self.last_texts: list[str] = []
 

@@ -94,3 +94,66 @@ def test_dapo_eval_cli_expands_home_and_names_missing_weights(tmp_path, monkeypa
     evaluate.main(["--config.eval.max_examples=1"])
   with pytest.raises(FileNotFoundError, match="dapo-train workdir"):
     evaluate.main([f"--workdir={tmp_path}"])
+
+
+def _constant_rollout(tokenizer, text):
+  """Every response is ``text``: which key the summary holds does not depend on the answers."""
+  toks = tokenizer.encode(text) + [tokenizer.eos_id]
+
+  def rollout(params, ids, mask, key, sampling, n):
+    del params, mask, key, sampling
+    resp = np.tile(np.asarray(toks, np.int32), (ids.shape[0] * n, 1))
+    return types.SimpleNamespace(response_ids=resp, response_mask=np.ones(resp.shape, bool),
+                                 lengths=np.full(len(resp), len(toks), np.int32),
+                                 logprobs=np.zeros(resp.shape, np.float32),
+                                 truncated=np.zeros(len(resp), bool))
+
+  return rollout
+
+
+def _eval_rows(source, tmp_path):
+  from dapo_jax.data.loaders import load_records  # pylint: disable=g-import-not-at-top
+  from tests import dapo_rows  # pylint: disable=g-import-not-at-top
+  if source == "aime":
+    path = dapo_rows.find_shared_aime()
+    if path is None:
+      pytest.skip("shared/data/aime-2024.parquet not present beside the checkout")
+  elif source == "duplicated":  # 5 problems with 1 to 3 copies each, out of order
+    path = dapo_rows.write_duplicated(tmp_path / "dup.parquet")
+  else:
+    path = dapo_rows.write_parquet([dapo_rows.dapo_row(*p) for p in dapo_rows.PROBLEMS],
+                                   tmp_path / "unique.parquet")
+  return load_records(str(path), on_malformed="raise", dedup=False)[0]
+
+
+@pytest.mark.parametrize("source,num_samples,expected_k", [
+    ("aime", 1, 32),  # the 32B config: 30 problems x 32 copies, one sample per row
+    ("aime", 2, 64), ("duplicated", 1, 1), ("duplicated", 3, 3), ("unique", 4, 4)])
+def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_path, caplog):
+  """Issue 17 D1: the headline (progress bar, "Held-out" line) names the summary's avg@K for
+  every number of copies in the file x eval.num_samples."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from configs import dapo_qwen2_5_32b  # pylint: disable=g-import-not-at-top
+  from dapo_jax import console_log, train  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
+  records = _eval_rows(source, tmp_path)
+  c = dapo_qwen2_5_32b.get_config()
+  c.eval.num_samples = num_samples
+  c.rollout.max_response_length = 16
+  tok = load_tokenizer(None, fallback="qwen2.5")
+  with RewardScorer("strict", max_response_length=16, overlong_buffer_enable=False) as scorer:
+    ev = evaluate.Evaluator(c, _constant_rollout(tok, "Answer: 204"), tok, scorer, records)
+    out = ev(params_state=None)
+  assert ev.headline == f"eval/avg@{expected_k}"
+  assert ev.headline in out
+  if source == "aime":
+    problems = {evaluate.problem_id(r): r.ground_truth for r in records}
+    assert out["eval/num_problems"] == len(problems) == 30
+    right = sum(gt == "204" for gt in problems.values())
+    assert right > 0 and out[ev.headline] == pytest.approx(right / 30)
+  line = console_log.format_line(5, 10, out, ev.headline)
+  assert f"{ev.headline} {out[ev.headline]:.3f}" in line
+  with caplog.at_level(logging.INFO, logger=train.__name__):
+    train._log_held_out(c, pathlib.Path(tmp_path), ev.headline, [out, out])  # pylint: disable=protected-access
+  assert f"Held-out {ev.headline}" in caplog.text

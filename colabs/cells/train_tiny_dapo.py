@@ -128,11 +128,12 @@ def plot_panels(panels, ncols=3):
   plt.show()
 
 
-headline = f"eval/avg@{config.eval.num_samples}"
+# The evaluation's avg@K (K = samples per problem), as the trainer's "Held-out" line names it.
+headline = next(k for r in rows for k in r if k.startswith("eval/avg@"))
 plot_panels([
     ("training rollouts", ["train/acc_mean", "train/reward_mean"]),
     (f"held-out accuracy ({headline}, top-p {config.eval.top_p})",
-     [headline, f"eval/pass@{config.eval.num_samples}"]),
+     [headline, headline.replace("avg@", "pass@")]),
     ("response length", ["response/response_length_mean", "response/response_length_max"]),
     ("clipping", ["actor/pg_clipfrac", "actor/pg_clipfrac_lower"]),
     ("entropy", ["actor/entropy"]),
