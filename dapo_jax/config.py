@@ -17,6 +17,7 @@ from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.objective import LOSS_AGG_MODES
+from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
 VERIFIERS = ("strict", "symbolic")
@@ -99,6 +100,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.ppo_epochs = 1
   c.optim.lr = 1e-6
   c.optim.warmup_steps = 20  # rollout steps (the verl script used 10)
+  c.optim.warmup_style = "paper"  # lr * (s + 1) / warmup; "verl": lr * s / warmup (0 at step 0)
+  # "exact": the mini-batch's own normaliser in every micro-batch (spec 4); "verl": each
+  # micro-batch's mean weighted by its share of sequences (verl's approximation).
+  c.optim.micro_batch_loss = "exact"
   c.optim.weight_decay = 0.1
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
@@ -196,6 +201,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   if c.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
     bad("algorithm.loss_agg_mode", c.algorithm.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")
   o = c.optim
+  if o.warmup_style not in WARMUP_STYLES:
+    bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")
+  if o.micro_batch_loss not in MICRO_BATCH_LOSSES:
+    bad("optim.micro_batch_loss", o.micro_batch_loss, f"choose one of {MICRO_BATCH_LOSSES}")
   if o.train_batch_size <= 0 or o.mini_batch_size <= 0:
     bad("optim.train_batch_size", o.train_batch_size, "batch sizes must be positive")
   if o.train_batch_size % o.mini_batch_size:

@@ -33,6 +33,10 @@ from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests
 from dapo_jax.tracing import TraceCounter
 
 
+WARMUP_STYLES = ("paper", "verl")
+MICRO_BATCH_LOSSES = ("exact", "verl")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Loss and optimizer settings of one update; defaults are DAPO's (spec 1, 4, 6)."""
@@ -66,10 +70,11 @@ class TrainConfig:
   def __post_init__(self):
     obj.validate_loss_agg_mode(self.loss_agg_mode)
     obj.validate_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
-    if self.micro_batch_loss not in ("exact", "verl"):
-      raise ValueError(f"micro_batch_loss={self.micro_batch_loss!r}; use 'exact' or 'verl'.")
-    if self.warmup_style not in ("paper", "verl"):
-      raise ValueError(f"warmup_style={self.warmup_style!r}; use 'paper' or 'verl'.")
+    if self.micro_batch_loss not in MICRO_BATCH_LOSSES:
+      raise ValueError(f"micro_batch_loss={self.micro_batch_loss!r}; use one of "
+                       f"{MICRO_BATCH_LOSSES}.")
+    if self.warmup_style not in WARMUP_STYLES:
+      raise ValueError(f"warmup_style={self.warmup_style!r}; use one of {WARMUP_STYLES}.")
     if self.kl_loss_type not in obj.KL_PENALTY_KINDS:
       raise ValueError(f"kl_loss_type={self.kl_loss_type!r}; use one of {obj.KL_PENALTY_KINDS}.")
     if self.master_dtype not in ("", "float32", "bfloat16", "float16"):
