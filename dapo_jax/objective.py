@@ -19,9 +19,10 @@ Array = jax.Array
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # Dr.GRPO: / (sequences x T)
+TOKEN_SUM_NORM = "token-sum-norm"  # verl's seq-mean-token-sum-norm: / T only
 LOSS_AGG_MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM,
-                  SEQ_MEAN_TOKEN_SUM_NORM)
+                  SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_SUM_NORM)
 KL_PENALTY_KINDS = ("k1", "kl", "k3", "low_var_kl", "mse")
 
 # Log-ratios are clamped to +-20 before exp() (as verl does) so one outlier
@@ -179,7 +180,7 @@ def _agg_numerator(loss_BxR: Array, mask_BxR: Array, mode: str) -> Array:
     seq_mean_B = jnp.sum(loss_BxR * mask_BxR, axis=-1) / jnp.maximum(
         tokens_B, 1.0)
     return jnp.sum(seq_mean_B)  # empty rows contribute 0 / 1 = 0.
-  # token-mean, seq-mean-token-sum and Dr.GRPO all sum every masked token.
+  # token-mean, seq-mean-token-sum and both token-sum norms sum every masked token.
   return jnp.sum(loss_BxR * mask_BxR)
 
 
@@ -197,7 +198,8 @@ def loss_denominator(response_mask: ArrayLike, loss_agg_mode: str,
 
   Returns:
     Scalar float32: response tokens (token-mean); sequences with at least one
-    response token (seq-mean-*); that count times T_max (Dr.GRPO).
+    response token (seq-mean-*); that count times T_max (Dr.GRPO); T_max
+    alone (token-sum-norm, verl's variant).
   """
   validate_loss_agg_mode(loss_agg_mode)
   return _denominator(jnp.asarray(response_mask, jnp.float32), loss_agg_mode,
@@ -208,11 +210,13 @@ def _denominator(mask_BxR: Array, mode: str,
                  max_response_length: int | None = None) -> Array:
   if mode == TOKEN_MEAN:
     return jnp.sum(mask_BxR)
+  t_max = float(mask_BxR.shape[-1] if max_response_length is None else
+                max_response_length)
+  if mode == TOKEN_SUM_NORM:
+    return jnp.asarray(t_max, jnp.float32)
   num_seqs = jnp.sum(_seq_valid_B(mask_BxR))
   if mode == SEQ_MEAN_TOKEN_SUM_NORM:
-    t_max = mask_BxR.shape[-1] if max_response_length is None else (
-        max_response_length)
-    return num_seqs * float(t_max)
+    return num_seqs * t_max
   return num_seqs
 
 
@@ -226,7 +230,8 @@ def agg_loss(loss_mat: ArrayLike,
     loss_mat: [B, R] per-token loss.
     loss_mask: [B, R] response mask.
     loss_agg_mode: 'token-mean' (DAPO), 'seq-mean-token-mean' (GRPO),
-      'seq-mean-token-sum', 'seq-mean-token-sum-norm' (Dr.GRPO).
+      'seq-mean-token-sum', 'seq-mean-token-sum-norm' (Dr.GRPO: / (sequences
+      x T)), 'token-sum-norm' (verl's seq-mean-token-sum-norm: / T).
     loss_denominator: the whole mini-batch's normaliser (see the function
       `loss_denominator`) when this is one micro-batch of it; None normalises
       by this batch alone.

@@ -173,6 +173,7 @@ _HAND = {
     "seq-mean-token-mean": (6 / 3 + 5 / 1) / 2,
     "seq-mean-token-sum": (6 + 5) / 2,
     "seq-mean-token-sum-norm": 11 / (2 * 4),
+    "token-sum-norm": 11 / 4,
 }
 
 
@@ -249,7 +250,7 @@ def test_verl_microbatch_approximation():
   assert float(verl(full_mask, "token-mean")) == pytest.approx(
       float(obj.agg_loss(loss_mat, full_mask, "token-mean")), rel=1e-5)
   # Sequence-normalised modes are exact under sequence-count weighting.
-  for mode in MODES[1:]:
+  for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
     assert float(verl(mask, mode)) == pytest.approx(
         float(obj.agg_loss(loss_mat, mask, mode)), rel=1e-5)
 
@@ -259,6 +260,39 @@ def test_dr_grpo_denominator_uses_max_response_length():
                              max_response_length=10)
   assert float(den) == 2 * 10
   assert float(obj.loss_denominator(_MASK, "token-mean")) == 4
+
+
+def _numpy_agg(loss, mask, mode):
+  """Independent numpy statements of the two token-sum norms (verl core_algos / Dr.GRPO)."""
+  seq_sums = (loss * mask).sum(-1)
+  if mode == "token-sum-norm":  # verl: sum(seq_losses) / loss_mask.shape[-1]
+    return seq_sums.sum() / mask.shape[-1]
+  return seq_sums[mask.any(-1)].mean() / mask.shape[-1]  # Dr.GRPO: mean over responses
+
+
+@pytest.mark.parametrize("mode", ["token-sum-norm", "seq-mean-token-sum-norm"])
+def test_token_sum_norms_match_numpy(mode):
+  """Issue 17 D4: verl's variant (/ T) and Dr.GRPO's (/ sequences x T) under their own names,
+  each equal to its numpy statement for the whole batch and summed over micro-batches."""
+  old, logp, adv, mask = _random_batch(seed=5)
+  rng = np.random.default_rng(6)
+  loss_mat = rng.normal(size=mask.shape).astype(np.float32)
+  want = _numpy_agg(loss_mat.astype(np.float64), mask, mode)
+  assert float(obj.agg_loss(loss_mat, mask, mode)) == pytest.approx(want, rel=1e-5)
+  den = obj.loss_denominator(mask, mode)
+  split = sum(float(obj.agg_loss(loss_mat[s], mask[s], mode, den))
+              for s in np.split(np.arange(mask.shape[0]), 4))
+  assert split == pytest.approx(want, rel=1e-5)
+  # The policy loss aggregates its per-token loss the same way.
+  ratio = np.exp(np.clip(logp - old, -20, 20))
+  a = adv[:, None].astype(np.float64)
+  per_tok = np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.28))
+  per_tok = np.where(a < 0, np.minimum(per_tok, -a * 10.0), per_tok)
+  got = obj.compute_policy_loss(old, logp, adv, mask, loss_agg_mode=mode)[0]
+  assert float(got) == pytest.approx(_numpy_agg(per_tok, mask, mode), rel=1e-5)
+  # The two differ by the number of sequences.
+  assert float(obj.agg_loss(loss_mat, mask, "token-sum-norm")) == pytest.approx(
+      mask.shape[0] * float(obj.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm")), rel=1e-5)
 
 
 def test_empty_mask_gives_zero_not_nan():
