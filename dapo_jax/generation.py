@@ -40,14 +40,15 @@ def render_batch(records: Sequence[MathRecord], tokenizer, max_prompt_length: in
 
 def decode_responses(tokenizer, response_ids: np.ndarray, lengths: np.ndarray,
                      eos_ids: Sequence[int]) -> list[str]:
-  """Response texts without the stop token (the verifier reads the answer, not <eos>)."""
+  """Response texts without the stop token and with special tokens skipped, as verl's DAPO
+  reward manager decodes them: ``Answer: 5<|im_start|>`` is read as ``Answer: 5``."""
   out = []
   stop = set(int(e) for e in eos_ids)
   for row, n in zip(response_ids, lengths):
     toks = [int(t) for t in row[:int(n)]]
     if toks and toks[-1] in stop:
       toks = toks[:-1]
-    out.append(tokenizer.decode(toks))
+    out.append(tokenizer.decode(toks, skip_special_tokens=True))
   return out
 
 

@@ -368,3 +368,25 @@ def test_templates_are_the_shipped_ones():
       "QWEN25_CHAT_TEMPLATE changed. It must stay a verbatim copy of the "
       "chat_template in Qwen2.5-*-Instruct's tokenizer_config.json; if you "
       f"re-copied it from there, set QWEN25_TEMPLATE_SHA256 = {digest!r}.")
+
+
+@pytest.mark.parametrize("which", ["hf_tok", "tt_tok", "char"])
+def test_responses_decode_without_special_tokens_and_score_right(which, request):
+  """Issue 17 D6: as verl's DAPO reward manager (skip_special_tokens=True), a special token the
+  policy emits after its answer does not make the answer wrong."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from dapo_jax.generation import decode_responses  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rewards.math_dapo import compute_score  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import CharTokenizer  # pylint: disable=g-import-not-at-top
+  tok = CharTokenizer() if which == "char" else request.getfixturevalue(which)
+  text = "Answer: 5<|im_start|>"
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text and len(ids) < len(text)  # one id for the special token
+  eos = tok.eos_ids[0]
+  rows = [ids + [eos], ids]  # stopped at EOS, and cut at the length limit
+  width = max(map(len, rows)) + 2
+  response_ids = np.asarray([r + [tok.pad_id] * (width - len(r)) for r in rows], np.int32)
+  texts = decode_responses(tok, response_ids, np.asarray([len(r) for r in rows]), tok.eos_ids)
+  assert texts == ["Answer: 5", "Answer: 5"]
+  assert [compute_score(t, "5")["acc"] for t in texts] == [True, True]
+  assert not compute_score(text, "5")["acc"]  # what the verifier saw before
