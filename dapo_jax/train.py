@@ -125,12 +125,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         traj, ds_stats = _sample(config, run, state, step)
         adv = traj_lib.compute_advantages(traj, config.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
-        old_logp, entropy = _old_log_probs(config, run, state, traj)
+        old_logp, entropy = _old_log_probs(config, run, state, traj, step)
       with timer("update"):
         state, updates = _update(config, run, state, traj, adv, old_logp, step)
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-      metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer)
+      metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer,
+                             step)
       if evaluating and (step + 1) % config.eval.every == 0:
         metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
       _log_step(config, writer, progress, step + 1, metrics, traj)
@@ -203,6 +204,7 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
                                           generate_fn=generate)
   except DynamicSamplingError as err:
     raise _sampling_stopped(err, step, config, run, state) from err
+  traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step)
   traj = Trajectories.from_groups(groups)
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
@@ -210,13 +212,16 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
   return traj, ds_stats
 
 
-def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories):
-  """The behaviour policy's log-probs: the sampler's, or the training forward's (+ entropy)."""
+def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories,
+                   step: int):
+  """The behaviour policy's log-probs: the sampler's, or the training forward's (+ entropy)
+  with the sampler's kept for groups carried from an earlier step."""
   if config.rollout.use_sampler_logprobs:
     return traj.sampler_logprobs, None
-  return distributed.global_to_host(run.logp_fn(
+  logp, entropy = distributed.global_to_host(run.logp_fn(
       state.params, distributed.rows_on_device(traj.input_ids, run.mesh),
       distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len))
+  return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy
 
 
 def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
@@ -232,8 +237,8 @@ def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, a
 
 
 def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
-                 updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer
-                 ) -> dict[str, float]:
+                 updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer,
+                 step: int) -> dict[str, float]:
   """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput."""
   metrics = _mean_metrics(updates)
   metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
@@ -242,6 +247,9 @@ def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: Sampli
       buffer_len=config.reward.overlong_buffer_len))
   metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
   mask = traj.response_mask
+  # Response tokens of groups sampled by an earlier step's policy (keep_surplus), trained with
+  # that policy's log-probs as old log-probs.
+  metrics["sampling/carried_tokens_trained"] = float(mask[traj.carried_rows(step)].sum())
   if not config.rollout.use_sampler_logprobs:
     # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
     # update is silently off-policy (verl logs the same as rollout_probs_diff).

@@ -47,6 +47,9 @@ class ScoredGroup(Group):
   penalty: np.ndarray  # [G] float32, the overlong penalty (spec 2)
   num_errors: int = 0
   num_timeouts: int = 0
+  # The rollout step whose policy sampled the group (-1: not stamped yet); a group carried over
+  # by keep_surplus trains at a later step, off-policy (spec 6.2).
+  sampled_at_step: int = -1
 
   def to_json(self) -> dict[str, Any]:
     """JSON values, in the layout of the checkpoints' ``sampler.carried`` entries."""
@@ -82,6 +85,7 @@ class Trajectories:
   group_ids: np.ndarray  # [N] int32
   texts: list[str]
   prompts: list[str]
+  sampled_at_step: np.ndarray | None = None  # [N] int32, the group's `sampled_at_step`
   verifier_errors: int = 0  # summed over the groups
   verifier_timeouts: int = 0
 
@@ -107,9 +111,37 @@ class Trajectories:
         response_mask=response_mask, sampler_logprobs=cat("logprobs"), lengths=cat("lengths"),
         truncated=cat("truncated"), reward=cat("reward"), score=cat("score"), acc=cat("acc"),
         overlong_penalty=cat("penalty"), group_ids=group_ids,
+        sampled_at_step=np.concatenate(
+            [np.full(g.size, g.sampled_at_step, np.int32) for g in groups]),
         texts=[t for g in groups for t in g.texts], prompts=[g.prompt.prompt for g in groups],
         verifier_errors=sum(g.num_errors for g in groups),
         verifier_timeouts=sum(g.num_timeouts for g in groups))
+
+
+  def carried_rows(self, step: int) -> np.ndarray:
+    """[N] bool: rows sampled before rollout step ``step`` (keep_surplus's carried groups)."""
+    if self.sampled_at_step is None:
+      return np.zeros(self.num_rows, bool)
+    return self.sampled_at_step < step
+
+
+def stamp_sampled_at(groups: Sequence[ScoredGroup], step: int) -> None:
+  """Marks the groups no step has claimed yet (those this step generated, trained or carried)
+  as sampled by ``step``'s policy. Groups of a checkpoint older than the field count as this
+  step's, as they did before it existed."""
+  for g in groups:
+    if g.sampled_at_step < 0:
+      g.sampled_at_step = step
+
+
+def behaviour_log_probs(traj: Trajectories, recomputed: np.ndarray, step: int) -> np.ndarray:
+  """Old log-probs (spec 6.2): the training forward's on this step's own samples, the sampler's
+  on carried groups, whose behaviour policy was an earlier step's (recomputing them with the
+  current weights would start their ratio at 1 and hide the off-policy gap)."""
+  carried = traj.carried_rows(step)
+  if not carried.any():
+    return recomputed
+  return np.where(carried[:, None], traj.sampler_logprobs, recomputed).astype(np.float32)
 
 
 def compute_advantages(traj: Trajectories, norm_adv_by_std: bool = True) -> np.ndarray:
