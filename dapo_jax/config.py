@@ -16,7 +16,7 @@ import ml_collections
 from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
 from dapo_jax.models.config import Qwen2Config
-from dapo_jax.objective import LOSS_AGG_MODES
+from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -88,9 +88,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.algorithm.max_num_gen_batches = 10
   c.algorithm.keep_surplus = False
   c.algorithm.overlong_filter = False
-  c.algorithm.use_kl_loss = False  # no reference model is built when off
-  c.algorithm.kl_coef = 0.0
-  c.algorithm.kl_kind = "low_var_kl"
+  # KL loss towards a frozen copy of the RL start's weights (after any SFT warm start), as
+  # verl's actor.use_kl_loss; no reference model is built when off (spec 1).
+  c.algorithm.use_kl_loss = False
+  c.algorithm.kl_loss_coef = 0.001  # verl's default
+  c.algorithm.kl_loss_type = "low_var_kl"  # verl's estimator names (objective.KL_PENALTY_KINDS)
   c.algorithm.entropy_coeff = 0.0
 
   c.optim = ml_collections.ConfigDict()
@@ -200,6 +202,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("tokenizer.kind", c.tokenizer.kind, f"choose one of {TOKENIZER_KINDS}")
   if c.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
     bad("algorithm.loss_agg_mode", c.algorithm.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")
+  if c.algorithm.kl_loss_type not in KL_PENALTY_KINDS:
+    bad("algorithm.kl_loss_type", c.algorithm.kl_loss_type, f"choose one of {KL_PENALTY_KINDS}")
+  if c.algorithm.kl_loss_coef < 0:
+    bad("algorithm.kl_loss_coef", c.algorithm.kl_loss_coef, "must be >= 0")
   o = c.optim
   if o.warmup_style not in WARMUP_STYLES:
     bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")

@@ -174,3 +174,15 @@ def forward_log_probs(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State
                      f"batch of {b} rows.")
   out = jax.lax.map(one, tuple(split_micro(x, b // micro_batch_size) for x in rows))
   return tuple(merge_micro(x) for x in out)
+
+
+def forward_with_reference(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State,
+                           rest: nnx.State, input_ids_BxL: jax.Array,
+                           attention_mask_BxL: jax.Array, positions_BxL: jax.Array | None,
+                           response_len: int, **kwargs) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Old log-probs and entropy of ``params`` and the reference policy's log-probs, in one
+  program (spec 6.2): ``(old_BxR, entropy_BxR, ref_BxR)``. ``kwargs`` as `forward_log_probs`."""
+  rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
+  old_BxR, ent_BxR = forward_log_probs(graphdef, params, rest, *rows, response_len, **kwargs)
+  ref_BxR, _ = forward_log_probs(graphdef, ref_params, rest, *rows, response_len, **kwargs)
+  return old_BxR, ent_BxR, ref_BxR

@@ -23,7 +23,8 @@ SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # Dr.GRPO: / (sequences x T
 TOKEN_SUM_NORM = "token-sum-norm"  # verl's seq-mean-token-sum-norm: / T only
 LOSS_AGG_MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM,
                   SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_SUM_NORM)
-KL_PENALTY_KINDS = ("k1", "kl", "k3", "low_var_kl", "mse")
+# verl's kl_penalty estimators (its "full", on whole distributions, is not offered).
+KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 # Log-ratios are clamped to +-20 before exp() (as verl does) so one outlier
 # token cannot overflow float32. Nothing is lost: that far out the clipped
@@ -355,13 +356,14 @@ def compute_policy_loss(
 
 def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,
                kind: str = "low_var_kl") -> Array:
-  """Per-token KL estimate of the policy from a reference (DAPO: unused).
+  """Per-token KL estimate of the policy from a reference (DAPO: unused), as verl's kl_penalty.
 
   Args:
     log_prob: [B, R] current policy log-probs.
     ref_log_prob: [B, R] reference policy log-probs.
-    kind: 'k1'/'kl' (logp - ref), 'k3'/'low_var_kl' (Schulman's unbiased,
-      non-negative estimator, clamped to [-10, 10]) or 'mse' (0.5 diff^2).
+    kind: 'k1'/'kl' (logp - ref), 'abs' (|logp - ref|), 'k2'/'mse' (0.5 diff^2) or
+      'k3'/'low_var_kl' (Schulman's unbiased, non-negative estimator r - log r - 1 with
+      r = p_ref / p, clamped to [-10, 10]; verl's default for the GRPO KL loss).
 
   Returns:
     [B, R] penalty.
@@ -370,11 +372,13 @@ def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,
   ref = jnp.asarray(ref_log_prob, jnp.float32)
   if kind in ("k1", "kl"):
     return logp - ref
+  if kind == "abs":
+    return jnp.abs(logp - ref)
   if kind in ("k3", "low_var_kl"):
     log_r = jnp.clip(ref - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     # r - log r - 1 >= 0; the clamp keeps rare outlier tokens from dominating.
     return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -10.0, 10.0)
-  if kind == "mse":
+  if kind in ("k2", "mse"):
     return 0.5 * jnp.square(logp - ref)
   raise ValueError(f"Unknown kl_penalty kind {kind!r}; valid kinds are "
                    f"{', '.join(repr(k) for k in KL_PENALTY_KINDS)}.")

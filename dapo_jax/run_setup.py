@@ -9,7 +9,9 @@ import os
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -138,7 +140,7 @@ def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
       num_micro_batches=max(1, rows // o.micro_batch_size), temperature=config.rollout.temperature,
       clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
       clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
-      kl_loss_coef=a.kl_coef, kl_loss_type=a.kl_kind, entropy_coeff=a.entropy_coeff,
+      kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
       overlong_filter=a.overlong_filter, micro_batch_loss=o.micro_batch_loss, lr=o.lr,
       warmup_steps=o.warmup_steps, warmup_style=o.warmup_style, b1=o.b1,
       b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
@@ -174,6 +176,41 @@ def attention_fallback(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
             f"bf16/fp16 compute (model.dtype={mcfg.dtype!r}), a head dim that is a multiple of 8 "
             f"up to 128 (here {mcfg.dim_per_head}) and an even length (here {t}).")
   return None
+
+
+REFERENCE_DIR = "reference"  # in the workdir: the KL term's reference weights (Orbax)
+
+
+def reference_policy(config: ml_collections.ConfigDict, workdir, state: TrainState,
+                     resumed: bool) -> nnx.State | None:
+  """The KL loss's reference policy: a frozen copy of the weights RL starts from (after any SFT
+  warm start), in the model's parameter dtype; None, and nothing built, when
+  ``algorithm.use_kl_loss`` is off. A fresh run writes it to ``<workdir>/reference``; a resumed
+  run reads it back from there (the start weights are not in the step checkpoints).
+  """
+  if not config.algorithm.use_kl_loss:
+    return None
+  dtype = jnp.dtype(config.model.param_dtype)
+  cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+  path = run_files.resolve(workdir) / REFERENCE_DIR
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    if resumed:
+      if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: the reference weights of this run (algorithm.use_kl_loss=True) are "
+            "missing; they are written when a run starts. Resume with the setting the run "
+            "started with, or start a new workdir.")
+      abstract = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding), state.params)
+      return checkpointer.restore(path, abstract)
+    # A copy (new buffers): the train step donates the live params.
+    ref = jax.tree.map(lambda x: jnp.array(x, dtype=cast(x), copy=True), state.params)
+    checkpointer.save(path, ref, force=True)
+    checkpointer.wait_until_finished()
+    return ref
+  finally:
+    checkpointer.close()
 
 
 def describe(config: ml_collections.ConfigDict, model: Any) -> str:

@@ -115,6 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       state, result = _before_rl(config, run, state, evaluator if evaluating else None)
       if result:
         writer.write_scalars(0, result)
+    ref_params = run_setup.reference_policy(config, workdir, state, resumed)  # None: no KL
     stop = teardown.enter_context(_StopRequest())
     progress = RunLogger.from_config(config, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
@@ -125,9 +126,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         traj, ds_stats = _sample(config, run, state, step)
         adv = traj_lib.compute_advantages(traj, config.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
-        old_logp, entropy = _old_log_probs(config, run, state, traj, step)
+        old_logp, entropy, ref_logp = _old_log_probs(config, run, state, traj, step, ref_params)
       with timer("update"):
-        state, updates = _update(config, run, state, traj, adv, old_logp, step)
+        state, updates = _update(config, run, state, traj, adv, old_logp, step, ref_logp)
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
       metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer,
@@ -213,24 +214,35 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
 
 
 def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories,
-                   step: int):
-  """The behaviour policy's log-probs: the sampler's, or the training forward's (+ entropy)
-  with the sampler's kept for groups carried from an earlier step."""
+                   step: int, ref_params=None):
+  """``(old, entropy, ref)`` log-probs (spec 6.2). Old: the behaviour policy's, the sampler's
+  or the training forward's (+ entropy) with the sampler's kept for groups carried from an
+  earlier step. Ref: the KL reference's, in the same compiled pass (None without one)."""
+  rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
+          distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
   if config.rollout.use_sampler_logprobs:
-    return traj.sampler_logprobs, None
-  logp, entropy = distributed.global_to_host(run.logp_fn(
-      state.params, distributed.rows_on_device(traj.input_ids, run.mesh),
-      distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len))
-  return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy
+    ref = None
+    if ref_params is not None:
+      ref = np.asarray(distributed.global_to_host(run.logp_fn(ref_params, *rows)[0]))
+    return traj.sampler_logprobs, None, ref
+  if ref_params is None:
+    logp, entropy = distributed.global_to_host(run.logp_fn(state.params, *rows))
+    ref = None
+  else:
+    logp, entropy, ref = distributed.global_to_host(
+        run.logp_fn(state.params, *rows, ref_params=ref_params))
+    ref = np.asarray(ref)
+  return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy, ref
 
 
 def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
-            step: int) -> tuple[TrainState, list[dict[str, Any]]]:
+            step: int, ref_logp=None) -> tuple[TrainState, list[dict[str, Any]]]:
   """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update."""
   rows_per_update = config.optim.mini_batch_size * config.rollout.n
   updates = []
   for _ in range(config.optim.ppo_epochs):
-    for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh):
+    for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh,
+                                       ref_logp):
       state, m = run.step_fn(state, batch, step)
       updates.append(m)
   return state, jax.device_get(updates)

@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dapo_jax import objective as obj
 from dapo_jax import sharding as shd
-from dapo_jax.logprobs import forward_log_probs, response_log_probs, split_micro
+from dapo_jax.logprobs import (forward_log_probs, forward_with_reference, response_log_probs,
+                               split_micro)
 from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests use ts.cast_params)
 from dapo_jax.tracing import TraceCounter
 
@@ -381,10 +382,11 @@ class TrainStep(_Compiled):
 
 
 class LogProbForward(_Compiled):
-  """`forward(params, input_ids, attention_mask, response_len, positions=None)`.
+  """`forward(params, input_ids, attention_mask, response_len, positions=None, ref_params=None)`.
 
-  Old log-probs with the current params, or reference log-probs with the
-  reference params (same graphdef), by the training path (spec 6.2).
+  Old log-probs and entropy with `params` by the training path (spec 6.2); with `ref_params`
+  (the KL term's frozen reference, same graphdef) also the reference's log-probs, in the same
+  compiled program: `(old, entropy, ref)`.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
@@ -394,13 +396,16 @@ class LogProbForward(_Compiled):
     self.rest = nnx.State({}) if rest is None else rest
 
   def __call__(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
-               response_len: int, positions_BxL: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+               response_len: int, positions_BxL: jax.Array | None = None,
+               ref_params: nnx.State | None = None) -> tuple[jax.Array, ...]:
     rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
-    key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len))
+    with_ref = ref_params is not None
+    key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len), with_ref)
+    weights = (params, ref_params) if with_ref else (params,)
     if key not in self._jits:
       cfg = self.cfg
-      fn = functools.partial(forward_log_probs, self.graphdef, response_len=int(response_len),
+      fn = functools.partial(forward_with_reference if with_ref else forward_log_probs,
+                             self.graphdef, response_len=int(response_len),
                              temperature=cfg.temperature, chunk_size=cfg.logit_chunk_size,
                              micro_batch_size=cfg.forward_micro_batch_size)
       if self.mesh is None:
@@ -409,10 +414,10 @@ class LogProbForward(_Compiled):
         out = shd.batch_sharding(self.mesh, self.rules, 2, input_ids_BxL.shape[0])
         self._jits[key] = jax.jit(
             self._traced(fn),
-            in_shardings=(shd.state_shardings(params, self.mesh, self.rules),
+            in_shardings=(*(shd.state_shardings(w, self.mesh, self.rules) for w in weights),
                           shd.state_shardings(self.rest, self.mesh, self.rules),
                           *self._batch_shardings(rows)),
-            out_shardings=(out, out))
+            out_shardings=(out,) * (3 if with_ref else 2))
     if self.mesh is not None:
       rows = jax.device_put(rows, self._batch_shardings(rows))
-    return self._jits[key](params, self.rest, *rows)
+    return self._jits[key](*weights, self.rest, *rows)

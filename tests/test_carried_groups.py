@@ -57,11 +57,12 @@ def test_carried_groups_keep_the_sampler_log_probs_and_are_counted():
   config = config_lib.default_config()
   run = types.SimpleNamespace(mesh=None, logp_fn=lambda params, ids, mask, r: (
       np.full((ids.shape[0], r), RECOMPUTED, np.float32), np.zeros((ids.shape[0], r))))
-  old1, _ = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj1, 1)  # pylint: disable=protected-access
+  old1, _, ref1 = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj1, 1)  # pylint: disable=protected-access
   # The carried group's old log-probs are its sampler's (step 0); the fresh group's recomputed.
   np.testing.assert_array_equal(old1[:2], SAMPLER_LOGP[0])
   np.testing.assert_array_equal(old1[2:], RECOMPUTED)
-  old0, _ = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj0, 0)  # pylint: disable=protected-access
+  assert ref1 is None  # no KL loss: no reference pass
+  old0, _, _ = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj0, 0)  # pylint: disable=protected-access
   np.testing.assert_array_equal(old0, RECOMPUTED)
 
   timer = Timer()

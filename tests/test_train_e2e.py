@@ -169,3 +169,34 @@ def test_verl_warmup_and_micro_batch_loss_run_through_the_trainer(tmp_path, monk
   assert [(s.warmup_style, s.micro_batch_loss, s.num_micro_batches) for s in seen] == [
       ("verl", "verl", 4)]
   assert m["actor/lr"] == 0.0 and m["actor/loss"] != 0.0  # "paper" trains step 0 at lr / 5
+  # use_kl_loss is off: no reference policy is built (issue 17 D2).
+  assert "actor/kl" not in m and not os.path.exists(tmp_path / "run" / "reference")
+
+
+def test_kl_loss_runs_end_to_end_and_resumes_with_its_reference(tmp_path, monkeypatch):
+  """Issue 17 D2: use_kl_loss builds the reference once (the RL start's weights), trains with
+  the KL term, and a resumed run reads the same reference back."""
+  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  refs = []
+  real = run_setup.reference_policy
+
+  def spy(*args):
+    refs.append(real(*args))
+    return refs[-1]
+
+  monkeypatch.setattr(run_setup, "reference_policy", spy)
+  workdir = str(tmp_path / "run")
+  c = _small_config(**{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5})
+  m1 = train_and_evaluate(_with_steps(c, 1), workdir)
+  assert os.path.isdir(os.path.join(workdir, run_setup.REFERENCE_DIR))
+  # The first update starts at the reference (KL 0), the second has moved: the mean is > 0.
+  assert 0.0 < m1["actor/kl"] < 1.0 and np.isfinite(m1["actor/loss"])
+  m2 = train_and_evaluate(_with_steps(c, 2), workdir)
+  assert np.isfinite(m2["actor/kl"]) and m2["actor/kl"] > 0.0
+  assert len(refs) == 2
+  for a, b in zip(jax.tree.leaves(refs[0]), jax.tree.leaves(refs[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The reference is the step-0 weights, not the trained ones.
+  trained = _params(workdir, 1)
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(refs[0]), trained))

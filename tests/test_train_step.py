@@ -253,3 +253,71 @@ def test_warmup_schedule():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-15)
   with pytest.raises(ValueError, match="warmup_style"):
     ts.TrainConfig(warmup_style="cosine")
+
+
+def test_reference_log_probs_in_the_old_log_prob_pass_and_zero_kl_at_the_start(setup):
+  """Issue 17 D2: with the reference equal to the policy (step 0), the reference pass gives the
+  old log-probs, the KL is 0 and so is its gradient (low_var_kl): the update is the no-KL one."""
+  params = _fresh(setup["state"]).params
+  ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+  batch = setup["batch"]
+  fwd = ts.LogProbForward(setup["graphdef"], setup["cfg"])
+  old, _, ref = fwd(params, batch.input_ids, batch.attention_mask, R, ref_params=ref_params)
+  assert fwd.traces.total == 1  # policy and reference in one compiled program
+  np.testing.assert_array_equal(old, ref)
+  np.testing.assert_allclose(old, setup["logp"], atol=TOL, rtol=TOL)
+  b = batch.replace(old_log_probs=old, ref_log_probs=ref)
+  grads = {}
+  for use_kl in (True, False):
+    cfg = setup["cfg"].replace(use_kl_loss=use_kl, kl_loss_coef=1.0)
+    fn = jax.jit(functools.partial(ts.loss_and_grads, setup["graphdef"], cfg))
+    grads[use_kl], m, _ = fn(params, setup["state"].rest, b)
+    if use_kl:
+      assert float(m["kl"]) == 0.0
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-7), _host(grads[True]),
+               _host(grads[False]))
+
+
+@pytest.mark.parametrize("kind", obj.KL_PENALTY_KINDS)
+def test_kl_loss_value_and_gradient_match_numpy(kind):
+  """Each of verl's estimators, aggregated as the update does (token mean), against numpy."""
+  rng = np.random.default_rng(1)
+  logp = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  ref = (logp + rng.normal(0.0, 0.4, (4, 6))).astype(np.float32)
+  mask = (np.arange(6)[None] < np.array([[6], [3], [1], [5]])).astype(np.float32)
+  d = logp.astype(np.float64) - ref
+  value, slope = {  # per token: estimate and its derivative in logp
+      "k1": (d, np.ones_like(d)), "kl": (d, np.ones_like(d)), "abs": (np.abs(d), np.sign(d)),
+      "k2": (0.5 * d * d, d), "mse": (0.5 * d * d, d),
+      "k3": (np.exp(-d) + d - 1, 1 - np.exp(-d)),
+      "low_var_kl": (np.exp(-d) + d - 1, 1 - np.exp(-d))}[kind]
+  n = mask.sum()
+  loss_fn = lambda lp: obj.agg_loss(obj.kl_penalty(lp, ref, kind), mask, "token-mean")
+  loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
+  assert float(loss) == pytest.approx((value * mask).sum() / n, rel=1e-5)
+  np.testing.assert_allclose(grad, slope * mask / n, rtol=1e-4, atol=1e-7)
+
+
+def test_kl_loss_gradient_matches_finite_differences(setup):
+  """The whole compiled loss with only the KL term (advantages 0) and a reference that differs
+  from the policy: the gradient's length equals the finite-difference slope along it."""
+  params = _fresh(setup["state"]).params
+  leaves = jax.tree.leaves(params)
+  noise = jax.tree.unflatten(jax.tree.structure(params), [
+      0.05 * jax.random.normal(jax.random.PRNGKey(i), x.shape) for i, x in enumerate(leaves)])
+  ref_params = jax.tree.map(jnp.add, params, noise)
+  batch = setup["batch"]
+  fwd = ts.LogProbForward(setup["graphdef"], setup["cfg"])
+  old, _, ref = fwd(params, batch.input_ids, batch.attention_mask, R, ref_params=ref_params)
+  b = batch.replace(old_log_probs=old, ref_log_probs=ref,
+                    advantages=jnp.zeros_like(batch.advantages))
+  cfg = setup["cfg"].replace(use_kl_loss=True, kl_loss_coef=1.0, num_micro_batches=2)
+  fn = jax.jit(functools.partial(ts.loss_and_grads, setup["graphdef"], cfg))
+  grads, m, _ = fn(params, setup["state"].rest, b)
+  assert float(m["pg_loss"]) == 0.0 and float(m["kl"]) > 1e-4
+  norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+  loss_at = lambda eps: float(fn(jax.tree.map(lambda p, g: p + eps * g / norm, params, grads),
+                                 setup["state"].rest, b)[1]["loss"])
+  eps = 1e-2
+  slope = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+  assert slope == pytest.approx(norm, rel=2e-2)
