@@ -78,6 +78,8 @@ def test_32b_table1_rows_add_one_technique_each():
     ("optim.mini_batch_size", 7, "must divide"),
     ("reward.overlong_buffer_len", 999999, "overlong_buffer_len"),
     ("rollout.top_p", 0.0, "top_p"),
+    ("algorithm.kl_loss_type", "full", "kl_loss_type"),
+    ("algorithm.kl_loss_coef", -0.1, "kl_loss_coef"),
 ])
 def test_bad_values_name_the_field(field, value, match):
   c = config_lib.default_config()
