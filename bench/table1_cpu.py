@@ -281,7 +281,8 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
       break
     ws_dir, ws_hash = warm(scratch, seed, spec.sft_steps)
     name = run_name(techniques)
-    workdir = os.path.join(scratch, "runs", ws_hash[:12], f"{name}_seed{seed}")
+    workdir = os.path.join(scratch, "runs", ws_hash[:12],
+                           f"steps{spec.steps}_eval{spec.eval_every}", f"{name}_seed{seed}")
     resumed = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
     start = time.perf_counter()
     rows = train(techniques, seed, spec, ws_dir, workdir)
@@ -440,6 +441,10 @@ def main(argv: Sequence[str] | None = None) -> None:
   base = tiny_config()
   sft_steps = base.sft.steps if args.sft_steps is None else args.sft_steps
   if args.make_warm_start is not None:  # the child process of ensure_warm_start
+    import logging  # pylint: disable=g-import-not-at-top
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src", "orbax"):
+      logging.getLogger(noisy).setLevel(logging.WARNING)
     make_warm_start(args.make_warm_start, sft_steps, os.path.join(
         args.scratch, "warm_starts", f"seed{args.make_warm_start}_sft{sft_steps}"))
     return
