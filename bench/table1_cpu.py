@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -232,10 +233,11 @@ def ensure_warm_start(scratch: str, seed: int, sft_steps: int) -> tuple[str, str
   if not os.path.isdir(out):
     os.makedirs(os.path.dirname(out), exist_ok=True)
     print(f"warm start seed {seed} ({sft_steps} SFT steps) -> {out}", flush=True)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), _children_cpu_s()
     subprocess.run([sys.executable, os.path.abspath(__file__), "--make_warm_start", str(seed),
                     "--sft_steps", str(sft_steps), "--scratch", scratch], cwd=ROOT, check=True)
-    print(f"  warm start seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"  warm start seed {seed}: {time.perf_counter() - start:.0f} s "
+          f"({_children_cpu_s() - cpu0:.0f} CPU-s)", flush=True)
   return out, weights_hash(out)
 
 
@@ -257,6 +259,12 @@ def train_run(techniques: frozenset[str], seed: int, spec: Spec, warm_start: str
   return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
+def _children_cpu_s() -> float:
+  """User + system CPU seconds of the finished child processes so far."""
+  r = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return r.ru_utime + r.ru_stime
+
+
 RunFn = Callable[[frozenset, int, Spec, str, str], list[dict[str, Any]]]
 WarmFn = Callable[[str, int, int], tuple[str, str]]
 
@@ -268,13 +276,14 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
   jobs = [(c, s) for s in seeds for c in configs]
   todo = [(c, s) for c, s in jobs if load_result(result_path(results, run_name(c), s), spec)
           is None]
-  walls = [r["wall_s"] for c, s in jobs if (r := load_result(
-      result_path(results, run_name(c), s), spec)) is not None]
-  per_run = float(np.median(walls)) if walls else float("nan")
+  done = [r for c, s in jobs if (r := load_result(result_path(results, run_name(c), s), spec))
+          is not None]
+  per_run = float(np.median([r["wall_s"] for r in done])) if done else float("nan")
+  cpu = float(np.median([r.get("cpu_s", np.nan) for r in done])) if done else float("nan")
   print(f"planned: {len(jobs)} runs ({len(configs)} configurations x {len(seeds)} seeds) of "
-        f"{spec.steps} RL steps; {len(jobs) - len(todo)} done, {len(todo)} to go; median wall "
-        f"time per finished run {per_run:.0f} s -> about {per_run * len(todo) / 3600:.1f} h left "
-        "(plus one warm start per new seed)", flush=True)
+        f"{spec.steps} RL steps; {len(jobs) - len(todo)} done, {len(todo)} to go; median per "
+        f"finished run {per_run:.0f} s wall, {cpu:.0f} CPU-s -> about "
+        f"{per_run * len(todo) / 3600:.1f} h left (plus one warm start per new seed)", flush=True)
   ran = 0
   for techniques, seed in todo:
     if dry_run or (max_runs and ran >= max_runs):
@@ -284,11 +293,11 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
     workdir = os.path.join(scratch, "runs", ws_hash[:12],
                            f"steps{spec.steps}_eval{spec.eval_every}", f"{name}_seed{seed}")
     resumed = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), _children_cpu_s()
     rows = train(techniques, seed, spec, ws_dir, workdir)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu0
     res = {"name": name, "seed": seed, "techniques": sorted(techniques), "spec": spec.to_json(),
-           "warm_start_sha256": ws_hash, "wall_s": wall, "resumed": resumed,
+           "warm_start_sha256": ws_hash, "wall_s": wall, "cpu_s": cpu, "resumed": resumed,
            "host": host_info(), **summarize_run(rows)}
     path = result_path(results, name, seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -297,7 +306,8 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
     os.replace(path + ".tmp", path)
     ran += 1
     print(f"{name} seed {seed}: {res['metric']} {res['before']:.3f} -> {res['after']:.3f} in "
-          f"{wall:.0f} s{' (resumed)' if resumed else ''} [{ran}/{len(todo)}]", flush=True)
+          f"{wall:.0f} s ({cpu:.0f} CPU-s){' (resumed)' if resumed else ''} [{ran}/{len(todo)}]",
+          flush=True)
   return {"planned": len(jobs), "done": len(jobs) - len(todo) + ran, "ran": ran,
           "left": len(todo) - ran}
 
@@ -313,8 +323,10 @@ def collect(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
   return out
 
 
-def _pm(e: st.Estimate) -> str:
-  return f"{e.mean:+.1f} +- {e.std:.1f}" if math.isfinite(e.std) else f"{e.mean:+.1f}"
+def _pm(e: st.Estimate, sign: str = "+") -> str:
+  """``mean +- std``; the mean alone for one seed."""
+  mean = f"{e.mean:{sign}.1f}"
+  return f"{mean} +- {e.std:.1f}" if math.isfinite(e.std) else mean
 
 
 def table1_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]]) -> str:
@@ -337,9 +349,8 @@ def table1_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]]) -> str
       d = st.paired_difference(gain, prev)
       ci = f" [{d.lo:+.1f}, {d.hi:+.1f}]" if math.isfinite(d.lo) else ""
       diff = f"{d.mean:+.1f}{ci}"
-    lines.append(f"| {label} | {before.mean:.1f} +- {before.std:.1f} | {after.mean:.1f} +- "
-                 f"{after.std:.1f} | {_pm(st.mean_ci(list(gain.values())))} | {diff} | "
-                 f"{len(runs)} |")
+    lines.append(f"| {label} | {_pm(before, '')} | {_pm(after, '')} | "
+                 f"{_pm(st.mean_ci(list(gain.values())))} | {diff} | {len(runs)} |")
     prev = gain
   return "\n".join(lines)
 
