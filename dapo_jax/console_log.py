@@ -35,6 +35,7 @@ LINE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward", "train/reward_mean", "{:+.3f}"),
     ("kept", "sampling/kept_ratio", "{:.2f}"),
     ("gen", "sampling/num_gen_batches", "{:.0f}"),
+    ("answers", "diag/distinct_answers_generated", "{:.2f}"),  # distinct per group
 )
 UPDATE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("clip", "actor/pg_clipfrac", "{:.4f}"),

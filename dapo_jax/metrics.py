@@ -15,7 +15,7 @@ The default plot panels match names by glob, so any prefix works (``train/grad_n
 ``reward_mean``, ``acc_mean``, ``avg@k``/``pass@k``/``maj@k`` (held-out, from
 `dapo_jax.eval_metrics.summarize`), ``response_length_mean``/``_max``, ``entropy``,
 ``pg_clipfrac``/``_lower``, ``ppo_kl``, ``grad_norm``, ``kept_ratio``, ``all_correct_ratio``,
-``all_wrong_ratio``, ``num_gen_batches``.
+``all_wrong_ratio``, ``num_gen_batches``, and the ``diag/*`` panels of `dapo_jax.diagnostics`.
 """
 
 from __future__ import annotations
@@ -340,6 +340,13 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("grad norm", ("*grad_norm",)),
     ("dynamic sampling: group ratios", ("*kept_ratio", "*all_correct_ratio", "*all_wrong_ratio")),
     ("generation batches per step", ("*num_gen_batches",)),
+    # dapo_jax.diagnostics (read the first next to the three before it).
+    ("distinct final answers per group", ("diag/distinct_answers_*",)),
+    ("gradient-weight share: length quarter x correct", ("diag/grad_weight/*",)),
+    ("pass rate of generated groups", ("diag/pass_rate_generated/*",)),
+    ("pass rate of trained groups", ("diag/pass_rate_trained/*",)),
+    ("share of generated groups trained, by pass rate", ("diag/accepted/*",)),
+    ("decode seconds by length quarter (proxy)", ("diag/decode_s/*",)),
 )
 
 

@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from dapo_jax import config as config_lib
+from dapo_jax import diagnostics
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
 from dapo_jax import run_files
@@ -123,7 +124,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     for step in range(start_step, config.num_steps):
       timer = Timer()
       with timer("rollout"):
-        traj, ds_stats = _sample(config, run, state, step)
+        traj, ds_stats, diag = _sample(config, run, state, step)
         adv = traj_lib.compute_advantages(traj, config.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
         old_logp, entropy, ref_logp = _old_log_probs(config, run, state, traj, step, ref_params)
@@ -133,6 +134,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
       metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer,
                              step)
+      metrics.update(diag)
+      metrics.update(_grad_weight_metrics(config, traj, adv))
       if evaluating and (step + 1) % config.eval.every == 0:
         metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
       _log_step(config, writer, progress, step + 1, metrics, traj)
@@ -197,9 +200,11 @@ def _before_rl(config, run: run_setup.Run, state: TrainState, evaluator
 
 
 def _sample(config, run: run_setup.Run, state: TrainState, step: int
-            ) -> tuple[Trajectories, SamplingStats]:
-  """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update."""
-  generate = run.generator.groups_fn(run.to_rollout(state.params), rollout_keys(config.seed, step))
+            ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
+  """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update;
+  the step's sampling diagnostics (`diagnostics.sampling_metrics`)."""
+  generate = diagnostics.GenerationLog(run.generator.groups_fn(
+      run.to_rollout(state.params), rollout_keys(config.seed, step)))
   try:
     groups, ds_stats = run.sampler.sample(distributed.global_batches(run.iterator),
                                           generate_fn=generate)
@@ -210,7 +215,21 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
                                            "The dynamic-sampling batch")
-  return traj, ds_stats
+  ppc = config.rollout.prompts_per_call if config.rollout.engine == "static" else 0
+  diag = diagnostics.sampling_metrics(generate, groups,
+                                      max_response_length=config.rollout.max_response_length,
+                                      rows_per_decode=ppc * config.rollout.n)
+  return traj, ds_stats, diag
+
+
+def _grad_weight_metrics(config, traj: Trajectories, adv: np.ndarray) -> dict[str, float]:
+  """`diagnostics.grad_weight_share` under the run's loss aggregation and mini-batches."""
+  a = config.algorithm
+  weights = diagnostics.row_loss_weights(
+      traj.response_mask, traj.truncated, a.loss_agg_mode,
+      config.optim.mini_batch_size * config.rollout.n, overlong_filter=a.overlong_filter)
+  return diagnostics.grad_weight_share(adv, weights, traj.acc, traj.lengths,
+                                       config.rollout.max_response_length)
 
 
 def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories,

@@ -64,6 +64,11 @@ def test_resume_is_exact(tmp_path):
   rows = [json.loads(l) for l in open(os.path.join(part, "metrics.jsonl"))]
   steps = [r["step"] for r in rows]
   assert steps == sorted(set(steps)) and steps[-1] == 3  # no duplicated steps after resume
+  shares = [v for k, v in rows[-1].items() if k.startswith("diag/grad_weight/")]
+  assert len(shares) == 8 and sum(shares) == pytest.approx(1.0 if any(shares) else 0.0)
+  for key in ("diag/distinct_answers_generated", "diag/pass_rate_generated/p0",
+              "diag/accepted/p0", "diag/decode_s/q4"):
+    assert key in rows[-1], key
 
 
 def _with_steps(c, n):
