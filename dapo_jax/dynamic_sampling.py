@@ -199,6 +199,9 @@ class GroupStream(Protocol):
   def poll(self) -> list[tuple[int, Group]]:
     """Waits until at least one admitted group is done; returns the finished (index, group)s."""
 
+  # Optional ``admission_block`` (int): prompts the stream decodes together at the cost of one
+  # (a static sampler's call); the loop then admits whole blocks (ids k*block ... ) at a time.
+
 
 class DynamicSampler:
   """Spec section 5 around any rollout callable.
@@ -299,8 +302,9 @@ class DynamicSampler:
     """`sample`, admitting prompts into `stream` only while they can still be needed.
 
     Prompts are admitted with ids 0, 1, ... in the iterator's order while the groups kept plus
-    those admitted and not yet taken fall short of `train_batch_size` (with `keep_surplus`,
-    whole generation batches: their valid groups beyond the batch are carried, as in `sample`).
+    those admitted and not yet taken fall short of `train_batch_size`, rounded up to the
+    stream's ``admission_block`` (with `keep_surplus`, whole generation batches: their valid
+    groups beyond the batch are carried, as in `sample`).
     Prompts of the last generation batch never admitted are dropped, as `sample` drops their
     groups. Nothing is in flight when it returns (``wait=True``): the sampler's state is the
     carried surplus and the iterator's position, as for `sample`.
@@ -323,6 +327,7 @@ class DynamicSampler:
     admitted = taken = 0
     failure = None
     whole = self.keep_surplus or not wait  # admit whole generation batches
+    block = max(1, int(getattr(stream, "admission_block", 1)))
     while True:
       if len(buffer) >= t and (not wait or admitted == taken):
         return self._finish(buffer, stats)
@@ -334,7 +339,8 @@ class DynamicSampler:
             failure = err  # raised once the groups in flight are in the buffer
             break
           queue.extend(prompts)
-        while queue and (whole or len(buffer) + admitted - taken < t):
+        # A block a stream decodes together costs the same however few of it are admitted.
+        while queue and (whole or len(buffer) + admitted - taken < t or admitted % block):
           stream.admit(queue.popleft(), admitted)
           admitted += 1
           stats.prompts_admitted += 1

@@ -169,6 +169,10 @@ class ScoringStream:
   def num_pending(self) -> int:
     return self._stream.num_pending
 
+  @property
+  def admission_block(self) -> int:
+    return int(getattr(self._stream, "admission_block", 1))
+
   def poll(self) -> list[tuple[int, ScoredGroup]]:
     finished = self._stream.poll()
     if not finished:

@@ -83,6 +83,11 @@ class StaticStream:
   def num_pending(self) -> int:
     return len(self._waiting)
 
+  @property
+  def admission_block(self) -> int:
+    """A call decodes C rows whoever fills them: admit prompts C at a time."""
+    return self._c
+
   def poll(self) -> list[FinishedGroup]:
     """Decodes the lowest call that holds waiting prompts; returns their groups, index order."""
     if not self._waiting:
