@@ -327,23 +327,31 @@ class DynamicSampler:
     admitted = taken = 0
     failure = None
     whole = self.keep_surplus or not wait  # admit whole generation batches
+    # A block a stream decodes together costs the same however few of it are admitted.
     block = max(1, int(getattr(stream, "admission_block", 1)))
+    start = len(buffer)
     while True:
       if len(buffer) >= t and (not wait or admitted == taken):
         return self._finish(buffer, stats)
-      while failure is None and len(buffer) + admitted - taken < t:
-        if not queue:
-          try:
-            prompts = self._draw(gen_batch_iter, stats, buffer)
-          except DynamicSamplingError as err:
-            failure = err  # raised once the groups in flight are in the buffer
-            break
-          queue.extend(prompts)
-        # A block a stream decodes together costs the same however few of it are admitted.
-        while queue and (whole or len(buffer) + admitted - taken < t or admitted % block):
+      # Admission within a drawn generation batch expects the groups in flight to be kept at
+      # the rate seen so far in this call (starting at 1), so the long tail of one round of
+      # admissions is not waited for before the next. A new generation batch is drawn only if
+      # the batch could not fill even were every group in flight kept: the iterator moves
+      # exactly as the batch loop's does.
+      rate = (len(buffer) - start) / taken if taken else 1.0
+      while failure is None:
+        in_flight = admitted - taken
+        if queue and (whole or len(buffer) + in_flight * rate < t or admitted % block):
           stream.admit(queue.popleft(), admitted)
           admitted += 1
           stats.prompts_admitted += 1
+        elif not queue and len(buffer) + in_flight < t:
+          try:
+            queue.extend(self._draw(gen_batch_iter, stats, buffer))
+          except DynamicSamplingError as err:
+            failure = err  # raised once the groups in flight are in the buffer
+        else:
+          break
       if admitted == taken:
         if failure is None:  # unreachable: a short buffer always admits or fails
           raise RuntimeError("Streaming dynamic sampling stalled with nothing in flight.")
