@@ -54,7 +54,8 @@ class RunStream:
     st = self._sampler.last_stats
     self._stats["calls"] += 1
     self._stats["decode_steps"] += st.decode_steps
-    self._stats["slot_steps"] += st.decode_steps * st.num_slots
+    # Each response's first token comes from its prefill, the rest from decode steps.
+    self._stats["slot_steps"] += st.decode_steps * st.num_slots + len(requests)
     self._stats["decoded_tokens"] += int(arrays["lengths"].sum())
     self._stats["finished_groups"] += len(order)
     g = self._g
