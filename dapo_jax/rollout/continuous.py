@@ -88,8 +88,10 @@ class ContinuousStream:
     if num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
     self._s, self._params, self._g = sampler, params, num_samples
-    self._p = sl.prefill_bucket(prompt_length, sampler.max_prefill_length)
-    self._prompt_limit = prompt_length
+    if prompt_length > sampler.max_prefill_length:
+      raise ValueError(f"A prompt of {prompt_length} tokens exceeds max_prefill_length="
+                       f"{sampler.max_prefill_length}.")
+    self._p = sl.prefill_bucket(prompt_length)  # the queue's prompt slots
     mesh = sampler.mesh
     if mesh is not None:
       state = jax.device_put(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
@@ -123,9 +125,10 @@ class ContinuousStream:
     r = self._params.max_new_tokens
     if ids.size == 0:
       raise ValueError("A prompt needs at least one token.")
-    if ids.size > self._p:
-      raise ValueError(f"A prompt has {ids.size} tokens; this stream takes at most "
-                       f"{self._p} (max_prefill_length {self._s.max_prefill_length}).")
+    limit = min(self._p, self._s.max_prefill_length)
+    if ids.size > limit:
+      raise ValueError(f"A prompt has {ids.size} tokens; this stream takes at most {limit} "
+                       f"(max_prefill_length {self._s.max_prefill_length}).")
     if prompt_index in self._index_seen:
       raise ValueError(f"prompt_index {prompt_index} was already admitted to this stream.")
     budget = np.full((self._g,), r, np.int32) if max_new_tokens is None else np.asarray(
@@ -244,7 +247,9 @@ class ContinuousSampler:
       bucket, 16, 32, 64, ..., that holds the longest prompt of a call).
     queue_prompts: prefilled prompts the device queue holds (0: enough to refill every slot
       twice, at least 2).
-    max_admit: most samples placed into free slots per decode step (0: min(N, 64)).
+    max_admit: most samples placed into free slots per decode step (0: min(N, max(16, N/8))):
+      admission samples the first tokens of that many rows whenever a slot is free, so it is kept
+      well below N; the rest of the free slots fill on the next steps.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, *, num_slots: int = 8, chunk_steps: int = 32,
@@ -265,7 +270,7 @@ class ContinuousSampler:
     self.num_slots = num_slots
     self.chunk_steps = chunk_steps
     self._queue_prompts = queue_prompts
-    self.max_admit = max_admit or min(num_slots, 64)
+    self.max_admit = max_admit or min(num_slots, max(16, num_slots // 8))
     self.last_stats = RolloutStats()
 
   def queue_prompts(self, num_samples: int) -> int:
