@@ -36,6 +36,7 @@ from dapo_jax.tracing import TraceCounter
 
 TRACES = TraceCounter()  # per program: tests assert no retrace
 EMPTY_SEQ = jnp.iinfo(jnp.int32).max  # `seq` of a free queue entry (sorts last)
+SMALL_ADMIT = 4  # admission variant for steps with few free slots
 
 
 @flax.struct.dataclass
@@ -188,9 +189,15 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
 
     def body(c: _Carry) -> _Carry:
       e = c.engine
-      e = jax.lax.cond(jnp.any(~e.slots.live) & (queued(e) > 0),
-                       lambda e: _admit(model, e, base_key_data, params, max_admit),
-                       lambda e: e, e)
+      # Admission costs what it may place (first-token logits, cache rows copied), so the
+      # usual step, with a slot or two free, takes a small variant.
+      can = jnp.minimum((~e.slots.live).sum(), queued(e))
+      sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
+      branches = [lambda e: e] + [
+          functools.partial(_admit, model, base_key_data=base_key_data, params=params,
+                            max_admit=a) for a in sizes]
+      e = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
+                         branches, e)
       s = e.slots
       decode, fed_N, lp_N, _ = sl.decode_step(model, s.decode, params)
       count_N = s.count + s.live
