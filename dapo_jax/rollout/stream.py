@@ -10,6 +10,11 @@ so the sampling loop does not care which engine decodes:
         ...                                    # score it, keep or drop it
     stream.close()
 
+Implemented by `rollout.continuous.ContinuousSampler.open_stream` (prompts are prefilled once
+into a device queue and their samples pulled into free decode slots inside the compiled loop; the
+host reads results once per chunk of decode steps). Its `admit` also takes optional per-sample
+budgets, `max_new_tokens=[G ints]`.
+
 Randomness: sample g of prompt i draws from ``fold_in(fold_in(key, i), g)`` (``key`` given when
 the stream is opened), whatever slot or call it lands in, so results do not depend on the
 schedule or on how many prompts are in flight.
