@@ -135,3 +135,29 @@ def test_bad_budget_raises(split_model):
   with pytest.raises(ValueError, match="max_new_tokens"):
     sampler.run(state, [continuous.Request([5, 6], max_new_tokens=R + 1)], jax.random.key(0),
                 SamplingParams(temperature=0.0, max_new_tokens=R))
+
+
+def test_scanned_model_decodes_the_same_rows(split_model, reference):
+  """A scanned model (`scan_layers`: one stacked cache, vmapped insert / repeat / grow): the
+  continuous sampler's requests and the static sampler's G samples are the unrolled ones."""
+  ref_tokens, ref_logprobs, eos = reference
+  graphdef, state = nnx.split(dapo_jax.load_pretrained(rollout_fixtures.tiny_checkpoint(),
+                                                       scan_layers=True))
+  params = SamplingParams(temperature=0.0, max_new_tokens=R, eos_ids=(eos,), pad_id=0)
+  requests = [continuous.Request(p, prompt_index=i, max_new_tokens=b)
+              for i, (p, b) in enumerate(zip(_prompts(), BUDGETS))]
+  batch = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=8).run(
+      state, requests, jax.random.key(0), params)
+  for i, (tokens, logprobs) in enumerate(_by_request(batch, len(requests))):
+    expected = _expected(ref_tokens[i], BUDGETS[i], eos)
+    assert tokens == expected, i
+    np.testing.assert_allclose(logprobs, ref_logprobs[i, :len(expected)], atol=1e-5)
+  ids, mask = _left_pad(_prompts()[:3])
+  sampled = SamplingParams(temperature=1.0, max_new_tokens=R, pad_id=0)
+  scanned = Sampler(graphdef).generate(state, jnp.asarray(ids), jnp.asarray(mask),
+                                       jax.random.key(2), sampled, num_samples=2)
+  unrolled = Sampler(split_model[0]).generate(split_model[1], jnp.asarray(ids),
+                                              jnp.asarray(mask), jax.random.key(2), sampled,
+                                              num_samples=2)
+  np.testing.assert_array_equal(scanned.response_ids, unrolled.response_ids)
+  np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5)
