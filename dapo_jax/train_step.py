@@ -388,10 +388,23 @@ class LogProbForward(_Compiled):
     self.graphdef, self.cfg = graphdef, cfg
     self.rest = nnx.State({}) if rest is None else rest
 
+  def lower(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
+            response_len: int):
+    """Ahead-of-time lowering; the arguments may be ShapeDtypeStructs."""
+    rows = (input_ids_BxL, attention_mask_BxL, None)
+    return self.jitted(params, rows, response_len).lower(params, self.rest, *rows)
+
   def __call__(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
                response_len: int, positions_BxL: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
+    if self.mesh is not None:
+      rows = jax.device_put(rows, self._batch_shardings(rows))
+    return self.jitted(params, rows, response_len)(params, self.rest, *rows)
+
+  def jitted(self, params: nnx.State, rows: tuple, response_len: int):
+    """The jitted forward for these rows' structure and shapes."""
+    input_ids_BxL = rows[0]
     key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len))
     if key not in self._jits:
       cfg = self.cfg
@@ -408,6 +421,4 @@ class LogProbForward(_Compiled):
                           shd.state_shardings(self.rest, self.mesh, self.rules),
                           *self._batch_shardings(rows)),
             out_shardings=(out, out))
-    if self.mesh is not None:
-      rows = jax.device_put(rows, self._batch_shardings(rows))
-    return self._jits[key](params, self.rest, *rows)
+    return self._jits[key]

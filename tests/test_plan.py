@@ -28,10 +28,16 @@ def _scalars_bytes(n=3):
   return 4 * n  # int32 update step, skipped-update count and rollout step
 
 
-def test_cpu_plan_matches_the_trainers_compiled_step():
+@pytest.fixture(scope="module")
+def tiny_plan():
+  """A 2-layer tiny config's plan on 8 CPU devices, with the estimate's programs compiled."""
   config = plan_lib.configure(_tiny_args("--layers", "2"))
+  return config, plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"), estimate=True)
+
+
+def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
+  config, plan = tiny_plan
   assert plan_lib.plan_model_config(config).num_hidden_layers == 2
-  plan = plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"))
   train = plan["train"]
   # The plan's memory is XLA's own analysis of the program it compiled ...
   mem = train["memory"]
@@ -69,6 +75,54 @@ def test_cpu_plan_matches_the_trainers_compiled_step():
   updates = config.optim.train_batch_size // config.optim.mini_batch_size
   compiled = train["flops_compiled"] * train["num_micro_batches"] * plan["num_devices"] * updates
   np.testing.assert_allclose(plan["flops_analytic"]["train"], compiled, rtol=0.1)
+
+
+def test_static_decode_steps_follow_the_samplers_loops():
+  # R = 20480 in 4 loops ending at R/8, R/4, R/2, R; loop i holds P + end_i - 1 cache slots.
+  steps = plan_est.static_decode_steps(20480, 4, 2048)
+  assert steps == [(2559, 4607), (2560, 7167), (5120, 12287), (10240, 22527)]
+  assert sum(n for n, _ in steps) == 20480 - 1  # column 0 comes from the prefill
+  a, b = plan_est.Cost(10.0, 100.0), plan_est.Cost(30.0, 500.0)
+  assert plan_est.interpolate(a, b, 100, 300, 200) == plan_est.Cost(20.0, 300.0)
+
+
+def test_step_time_estimate_by_hand(tiny_plan):
+  config, plan = tiny_plan
+  assert "estimate" not in plan  # no datasheet peaks for a CPU
+  chip = plan_est.Chip(flops_per_s=2e9, hbm_bytes_per_s=1e9, source="by hand")
+  e = plan_est.step_estimate(config, plan, chip)
+  assert set(e["phases"]) == {"rollout", "old_logprob", "update", "rollout_continuous"}
+  roofline = lambda c: max(c["flops"] / 2e9, c["bytes"] / 1e9)
+  # Updates: 16 / 4 = 4 per step, each 32 trajectories in 2 micro-batches of 16.
+  t = plan["train"]
+  assert t["num_micro_batches"] == 2
+  update = 4 * 2 * roofline({"flops": t["flops_compiled"], "bytes": t["bytes_compiled"]})
+  assert e["phases"]["update"]["seconds"] == pytest.approx(update)
+  # Old log-probs: 16 x 8 = 128 trajectories, 16 per forward micro-batch.
+  assert e["phases"]["old_logprob"]["seconds"] == pytest.approx(
+      8 * roofline(plan["logprob"]["cost"]))
+  # Rollout: one call of 32 prompts (256 rows): a prefill, then R - 1 = 31 decode steps, 15 in
+  # the loop over 24 + 16 - 1 cache slots and 16 in the one over 24 + 32 - 1.
+  d = plan["decode"]
+  rollout = (roofline(d["prefill"]["cost"]) + 15 * roofline(d["decode_step@39"]["cost"])
+             + 16 * roofline(d["decode_step@55"]["cost"]))
+  assert e["phases"]["rollout"]["seconds"] == pytest.approx(rollout)
+  assert e["step_seconds"] == pytest.approx(
+      rollout + update + e["phases"]["old_logprob"]["seconds"])
+  # A decode step re-reads the weights and the whole cache: its bytes grow with the cache.
+  assert d["decode_step@55"]["cost"]["bytes"] > d["decode_step@39"]["cost"]["bytes"]
+  # Continuous: 256 requests of 0.25 x 32 tokens on 256 slots, 85% busy; a refill each.
+  c = plan["continuous"]
+  steps = 256 * 0.25 * 32 / (256 * 0.85)
+  assert e["phases"]["rollout_continuous"]["seconds"] == pytest.approx(
+      256 * roofline(c["refill"]["cost"]) + steps * roofline(c["decode_chunk"]["cost"]))
+  # MFU: the updates' model FLOPs (6 x params x tokens, no recomputation) over 8 chips' peak.
+  assert e["update_mfu"] == pytest.approx(
+      plan["flops_analytic"]["update_model"] / (update * 2e9 * 8))
+  text = "\n".join(plan_lib.format_estimate(plan | {"estimate": e}))
+  for phase in ("rollout (static sampler)", "old log-probs", "updates",
+                "rollout (continuous engine)", "ESTIMATE", "MFU"):
+    assert phase in text, text
 
 
 def test_cli_overrides_and_json(tmp_path, capsys):
