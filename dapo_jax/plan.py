@@ -451,10 +451,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
     if plan["attention"] == "splash":  # a Pallas kernel: invisible to XLA's cost analysis
       plan["kernel_attention_flops"] = est.kernel_attention_flops(config, mcfg,
                                                                   target.num_devices)
-    try:
-      plan["estimate"] = est.step_estimate(config, plan, target.chip)
-    except KeyError as err:  # a program the estimate needs did not compile (OOM)
-      plan["estimate"] = {"error": f"no estimate: a program it needs did not compile ({err})"}
+    plan["estimate"] = est.step_estimate(config, plan, target.chip)
   return plan
 
 
@@ -524,8 +521,6 @@ def format_estimate(plan: dict[str, Any]) -> list[str]:
   e = plan.get("estimate")
   if e is None:
     return []
-  if "error" in e:
-    return [f"  step time estimate: {e['error']}"]
   chip, a = e["chip"], e["assumptions"]
   lines = [f"  step time ESTIMATE (roofline from the compiled programs' cost analysis at "
            f"{chip['flops_per_s'] / 1e12:.0f} TFLOP/s and {chip['hbm_bytes_per_s'] / 1e9:.0f} "
@@ -534,14 +529,17 @@ def format_estimate(plan: dict[str, Any]) -> list[str]:
     parts = ", ".join(f"{name} x{p['runs']:,.0f} {p['seconds']:.3g} s ({p['bound']})"
                       for name, p in v["programs"].items())
     lines.append(f"    {_PHASE_NAMES.get(phase, phase):<29}{_seconds(v['seconds'])}  [{parts}]")
-  lines.append(f"    {'RL step (static rollout)':<29}{_seconds(e['step_seconds'])}  "
-               f"update MFU {100 * e['update_mfu']:.0f}% (estimate)")
+  if e["step_seconds"] is not None:
+    lines.append(f"    {'RL step (static rollout)':<29}{_seconds(e['step_seconds'])}  "
+                 f"update MFU {100 * e['update_mfu']:.0f}% (estimate)")
+  for phase in e["missing"]:  # its programs did not compile: their errors are in the plan
+    key = {"rollout": "decode", "old_logprob": "logprob", "update": "train",
+           "rollout_continuous": "continuous"}[phase]
+    why = plan.get(key, {}).get("error") or plan.get(key, {}).get("oom") or "not compiled"
+    lines.append(f"    {_PHASE_NAMES[phase]:<29}not estimated: {why}")
   if "rollout_continuous" in e["phases"]:
     lines.append(f"    (continuous engine: mean response {a['mean_response_fraction']:.2f} x "
                  f"max_response_length, {100 * a['slot_utilization']:.0f}% of slot-steps busy)")
-  cont = plan.get("continuous", {})
-  if "error" in cont:
-    lines.append(f"  continuous engine not compiled: {cont['error']}")
   return lines
 
 

@@ -126,38 +126,55 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
   micro-batch loop body, once per micro-batch. Updates: the train step's micro-batch body
   (with the optimizer, a small overcount) per micro-batch of every update. A Pallas attention
   kernel's FLOPs (``plan["kernel_attention_flops"]``) are added to the programs running it.
-  The continuous engine, when compiled: a refill per request, a decode step per
+  A phase whose programs did not compile is left out. The continuous engine: a refill per
+  request, a decode step per
   (requests x mean response length) / (slots x utilisation) (``MEAN_RESPONSE_FRACTION``,
   ``SLOT_UTILIZATION``).
   """
   r, p, g = config.rollout.max_response_length, config.data.max_prompt_length, config.rollout.n
   extra = plan.get("kernel_attention_flops", {})
   plus = lambda cost, name: cost + Cost(extra.get(name, 0.0), 0.0)
-  dec = plan["decode"]
-  calls = math.ceil(config.algorithm.gen_batch_size / dec["prompts_per_call"])
-  compiled = sorted((v["cache_length"], _cost(v)) for k, v in dec.items()
-                    if k.startswith("decode_step@"))
-  (la, ca), (lb, cb) = compiled[0], compiled[-1]
-  rollout = [("prefill", plus(_cost(dec["prefill"]), "prefill"), calls)]
-  for steps, length in static_decode_steps(r, dec["cache_segments"], p):
-    rollout.append((f"decode step, cache {length}", interpolate(ca, cb, la, lb, length),
-                    calls * steps))
-  t = plan["train"]
-  updates = (config.optim.train_batch_size // config.optim.mini_batch_size
-             * config.optim.ppo_epochs)
-  phases = {"rollout": rollout}
-  if not config.rollout.use_sampler_logprobs:
-    phases["old_logprob"] = [("forward micro-batch", plus(_cost(plan["logprob"]), "logprob"),
-                              plan["logprob"]["loop_runs"])]
-  train = plus(Cost(t["flops_compiled"], t["bytes_compiled"]), "train")
-  phases["update"] = [("train step micro-batch", train, t["num_micro_batches"] * updates)]
-  cont = plan.get("continuous", {})
-  if "cost" in cont.get("decode_chunk", {}) and "cost" in cont.get("refill", {}):
+
+  def rollout():
+    dec = plan["decode"]
+    calls = math.ceil(config.algorithm.gen_batch_size / dec["prompts_per_call"])
+    compiled = sorted((v["cache_length"], _cost(v)) for k, v in dec.items()
+                      if k.startswith("decode_step@"))
+    (la, ca), (lb, cb) = compiled[0], compiled[-1]
+    out = [("prefill", plus(_cost(dec["prefill"]), "prefill"), calls)]
+    for steps, length in static_decode_steps(r, dec["cache_segments"], p):
+      out.append((f"decode step, cache {length}", interpolate(ca, cb, la, lb, length),
+                  calls * steps))
+    return out
+
+  def old_logprob():
+    return [("forward micro-batch", plus(_cost(plan["logprob"]), "logprob"),
+             plan["logprob"]["loop_runs"])]
+
+  def update():
+    t = plan["train"]
+    updates = (config.optim.train_batch_size // config.optim.mini_batch_size
+               * config.optim.ppo_epochs)
+    train = plus(Cost(t["flops_compiled"], t["bytes_compiled"]), "train")
+    return [("train step micro-batch", train, t["num_micro_batches"] * updates)]
+
+  def rollout_continuous():
+    cont = plan["continuous"]
     requests = config.algorithm.gen_batch_size * g
     steps = requests * MEAN_RESPONSE_FRACTION * r / (cont["slots"] * SLOT_UTILIZATION)
-    phases["rollout_continuous"] = [
-        ("refill", _cost(cont["refill"]), requests / cont["refill_rows"]),
-        ("decode step (chunk body)", _cost(cont["decode_chunk"]), steps)]
+    return [("refill", _cost(cont["refill"]), requests / cont["refill_rows"]),
+            ("decode step (chunk body)", _cost(cont["decode_chunk"]), steps)]
+
+  builders = {"rollout": rollout, "old_logprob": old_logprob, "update": update,
+              "rollout_continuous": rollout_continuous}
+  if config.rollout.use_sampler_logprobs:
+    del builders["old_logprob"]
+  phases = {}
+  for name, build in builders.items():
+    try:
+      phases[name] = build()
+    except (KeyError, IndexError):  # a program it needs did not compile (OOM or an error)
+      continue
   return phases
 
 
@@ -182,10 +199,15 @@ def step_estimate(config: ml_collections.ConfigDict, plan: dict[str, Any], chip:
   per phase (static rollout, old log-probs, updates; the continuous rollout apart), the step
   total with the static rollout, and the implied MFU of the updates."""
   phases = step_time(rl_step_programs(config, plan), chip)
+  wanted = ["rollout", "update", "rollout_continuous"] + (
+      [] if config.rollout.use_sampler_logprobs else ["old_logprob"])
+  missing = [k for k in wanted if k not in phases]
   step = sum(v["seconds"] for k, v in phases.items() if k != "rollout_continuous")
-  return {"chip": dataclasses.asdict(chip), "phases": phases, "step_seconds": step,
-          "update_mfu": mfu(plan["flops_analytic"]["update_model"],
-                            phases["update"]["seconds"], chip, plan["num_devices"]),
+  update = phases.get("update", {}).get("seconds", 0.0)
+  return {"chip": dataclasses.asdict(chip), "phases": phases, "missing": missing,
+          "step_seconds": None if set(missing) - {"rollout_continuous"} else step,
+          "update_mfu": mfu(plan["flops_analytic"]["update_model"], update, chip,
+                            plan["num_devices"]),
           "assumptions": {"generation_batches": 1,
                           "mean_response_fraction": MEAN_RESPONSE_FRACTION,
                           "slot_utilization": SLOT_UTILIZATION}}

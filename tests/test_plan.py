@@ -119,6 +119,13 @@ def test_step_time_estimate_by_hand(tiny_plan):
   # MFU: the updates' model FLOPs (6 x params x tokens, no recomputation) over 8 chips' peak.
   assert e["update_mfu"] == pytest.approx(
       plan["flops_analytic"]["update_model"] / (update * 2e9 * 8))
+  assert e["missing"] == []
+  # A program that did not compile leaves its phase out, named, and no step total.
+  broken = plan | {"logprob": {"error": "TraceContextError: ..."}}
+  partial = plan_est.step_estimate(config, broken, chip)
+  assert partial["missing"] == ["old_logprob"] and partial["step_seconds"] is None
+  assert partial["phases"]["update"] == e["phases"]["update"]
+  assert "old log-probs" in "\n".join(plan_lib.format_estimate(broken | {"estimate": partial}))
   text = "\n".join(plan_lib.format_estimate(plan | {"estimate": e}))
   for phase in ("rollout (static sampler)", "old log-probs", "updates",
                 "rollout (continuous engine)", "ESTIMATE", "MFU"):
