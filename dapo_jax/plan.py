@@ -448,9 +448,9 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
   if "oom" in plan["train"] or "oom" in plan["rollout"]:
     plan["fits"] = False
   if estimate and target.chip is not None and not target.analytic:
-    if plan["attention"] == "splash":  # a Pallas kernel: invisible to XLA's cost analysis
-      plan["kernel_attention_flops"] = est.kernel_attention_flops(config, mcfg,
-                                                                  target.num_devices)
+    plan["uncounted_flops"] = est.uncounted_flops(
+        config, mcfg, target.num_devices, splash=plan["attention"] == "splash",
+        logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
     plan["estimate"] = est.step_estimate(config, plan, target.chip)
   return plan
 

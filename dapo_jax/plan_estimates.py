@@ -97,23 +97,36 @@ def _cost(part: dict[str, Any]) -> Cost:
   return Cost(**part["cost"])
 
 
-def kernel_attention_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
-                           num_devices: int) -> dict[str, float]:
-  """Per-device attention FLOPs of one run of each program's loop body when attention is a
-  Pallas kernel (splash, on TPU): XLA's cost analysis does not see inside it, so the estimate
-  adds them. Causal blocks: half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row
-  and layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``."""
-  def fwd(rows: int, length: int) -> float:
-    return (rows * 2.0 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.dim_per_head
-            * length * length / num_devices)
+def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_devices: int,
+                    splash: bool, logit_chunk_size: int) -> dict[str, float]:
+  """Per-device FLOPs of one run of a program's loop body that XLA's cost analysis misses,
+  added by the estimate:
+
+  * the log-prob head's chunks past the first: it is a loop inside the micro-batch loop
+    (``logprobs.chunked_token_stats``, ``logit_chunk_size`` positions a chunk), and the cost
+    analysis counts a loop body once: (chunks - 1) x chunk x 2 x vocab x hidden per row,
+    x4 in the update (forward, the chunk's checkpointed recomputation, backward);
+  * with ``splash`` (the Pallas kernel on TPU, opaque to the cost analysis) the attention:
+    causal blocks, half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row and
+    layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``.
+  """
   p, r = config.data.max_prompt_length, config.rollout.max_response_length
+  per_row_layer = 2.0 * mcfg.num_attention_heads * mcfg.dim_per_head / num_devices
+  attention = lambda rows, length: (rows * mcfg.num_hidden_layers * per_row_layer * length
+                                    * length if splash else 0.0)
+  chunk = logit_chunk_size
+  chunks = -(-r // chunk) if 0 < chunk < r else 1
+  head = lambda rows: rows * (chunks - 1) * chunk * 2.0 * mcfg.vocab_size * mcfg.hidden_size \
+      / num_devices
   trajectories = config.optim.mini_batch_size * config.rollout.n
   micro = min(config.optim.micro_batch_size, trajectories)
   remat = 4 / 3 if config.model.remat != "none" else 1.0
   log_rows = config.optim.train_batch_size * config.rollout.n
   log_micro = micro if 0 < micro < log_rows else log_rows
-  return {"train": 3 * remat * fwd(micro, p + r), "logprob": fwd(log_micro, p + r),
-          "prefill": fwd(config.rollout.prompts_per_call or config.algorithm.gen_batch_size, p)}
+  return {"train": 3 * remat * attention(micro, p + r) + 4 * head(micro),
+          "logprob": attention(log_micro, p + r) + head(log_micro),
+          "prefill": attention(config.rollout.prompts_per_call
+                               or config.algorithm.gen_batch_size, p)}
 
 
 def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
@@ -124,15 +137,15 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
   decode steps of its B*G rows, each step over its loop's cache length (the decode cost is
   linear in it: interpolated between the two compiled lengths). Old log-probs: the forward's
   micro-batch loop body, once per micro-batch. Updates: the train step's micro-batch body
-  (with the optimizer, a small overcount) per micro-batch of every update. A Pallas attention
-  kernel's FLOPs (``plan["kernel_attention_flops"]``) are added to the programs running it.
+  (with the optimizer, a small overcount) per micro-batch of every update. FLOPs the cost
+  analysis misses (``plan["uncounted_flops"]``: nested loops, Pallas kernels) are added.
   A phase whose programs did not compile is left out. The continuous engine: a refill per
   request, a decode step per
   (requests x mean response length) / (slots x utilisation) (``MEAN_RESPONSE_FRACTION``,
   ``SLOT_UTILIZATION``).
   """
   r, p, g = config.rollout.max_response_length, config.data.max_prompt_length, config.rollout.n
-  extra = plan.get("kernel_attention_flops", {})
+  extra = plan.get("uncounted_flops", {})
   plus = lambda cost, name: cost + Cost(extra.get(name, 0.0), 0.0)
 
   def rollout():
@@ -287,7 +300,9 @@ def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str
   rollout = (prompts * p * (2 * n_mm + _attn_flops_per_token(mcfg, p))
              + prompts * g * r * (2 * n_mm + _attn_flops_per_token(mcfg, p + r / 2)))
   rows = config.optim.train_batch_size * g
-  fwd = rows * t * (2 * n_mm + _attn_flops_per_token(mcfg, t))
+  # The log-prob head (vocab x hidden) runs on the R response positions only (logprobs.py).
+  head = mcfg.vocab_size * mcfg.hidden_size
+  fwd = rows * (t * (2 * (n_mm - head) + _attn_flops_per_token(mcfg, t)) + r * 2 * head)
   remat = 4 / 3 if config.model.remat != "none" else 1.0
   update_model = 3 * fwd * config.optim.ppo_epochs  # what MFU counts: no recomputation
   train = update_model * remat

@@ -82,6 +82,18 @@ def test_static_decode_steps_follow_the_samplers_loops():
   steps = plan_est.static_decode_steps(20480, 4, 2048)
   assert steps == [(2559, 4607), (2560, 7167), (5120, 12287), (10240, 22527)]
   assert sum(n for n, _ in steps) == 20480 - 1  # column 0 comes from the prefill
+  # What the cost analysis misses, on the 32B config over 64 chips: 40 head chunks of 512
+  # (one counted) and the splash attention (causal: 2 x 40 heads x 128 x T^2 per row, layer).
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
+      "--config.optim.micro_batch_size=8"]))
+  mcfg = plan_lib.plan_model_config(config)
+  miss = plan_est.uncounted_flops(config, mcfg, 64, splash=True, logit_chunk_size=512)
+  head = 39 * 512 * 2.0 * mcfg.vocab_size * 5120 / 64
+  attn = 64 * 2.0 * 40 * 128 * 22528**2 / 64
+  assert miss["logprob"] == pytest.approx(8 * (attn + head))
+  assert miss["train"] == pytest.approx(8 * (3 * 4 / 3 * attn + 4 * head))
+  assert miss["prefill"] == pytest.approx(1536 * 64 * 2.0 * 40 * 128 * 2048**2 / 64)
   a, b = plan_est.Cost(10.0, 100.0), plan_est.Cost(30.0, 500.0)
   assert plan_est.interpolate(a, b, 100, 300, 200) == plan_est.Cost(20.0, 300.0)
 
@@ -205,6 +217,11 @@ def test_tpu_plan_compiles_for_a_topology_on_this_host():
   assert logical <= mem["argument"] <= 1.01 * logical
   assert plan["train"]["peak"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
   assert plan["rollout"]["parts"]["kv_cache_estimate"] <= plan["rollout"]["memory"]["temp"]
+  # The step-time estimate: every phase compiled for the topology, decode bound by HBM.
+  e = plan["estimate"]
+  assert e["missing"] == [] and e["step_seconds"] > 0 and 0 < e["update_mfu"] < 1
+  decode = [v for k, v in e["phases"]["rollout"]["programs"].items() if k.startswith("decode")]
+  assert decode and all(v["bound"] == "memory" for v in decode)
 
 
 # What libtpu compiled for the Qwen2.5-32B paper config (one trajectory per chip, 22528 tokens;
