@@ -117,7 +117,6 @@ class Trajectories:
         verifier_errors=sum(g.num_errors for g in groups),
         verifier_timeouts=sum(g.num_timeouts for g in groups))
 
-
   def carried_rows(self, step: int) -> np.ndarray:
     """[N] bool: rows sampled before rollout step ``step`` (keep_surplus's carried groups)."""
     if self.sampled_at_step is None:
