@@ -1,4 +1,5 @@
-"""Per-step diagnostics the DAPO paper did not report (issue 17, section 4), as ``diag/*`` metrics.
+"""Per-step diagnostics the DAPO paper did not report (issue 17, section 4), as ``diag/*`` metrics
+(decode time, a wall-clock figure, as ``time/decode_by_length/*`` with the other timings).
 
 * **In-group answer repetition**: distinct final answers per group (the verifier's normalised
   ``Answer:`` line; no answer counts as one more value), mean over the step's generated groups
@@ -145,7 +146,8 @@ def decode_time_by_length(calls: Sequence[tuple[float, np.ndarray]], max_respons
   for seconds, lengths in calls:
     per_row = attributed_decode_seconds(seconds, lengths, rows_per_decode)
     np.add.at(secs, length_bucket(lengths, max_response_length), per_row)
-  return {f"diag/decode_s/{name}": float(s) for name, s in zip(LENGTH_BUCKETS, secs)}
+  return {f"time/decode_by_length/{name}": float(s)
+          for name, s in zip(LENGTH_BUCKETS, secs)}
 
 
 def pass_rate_metrics(generated_pass: np.ndarray, trained_pass: np.ndarray,

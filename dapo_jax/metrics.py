@@ -346,7 +346,7 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("pass rate of generated groups", ("diag/pass_rate_generated/*",)),
     ("pass rate of trained groups", ("diag/pass_rate_trained/*",)),
     ("share of generated groups trained, by pass rate", ("diag/accepted/*",)),
-    ("decode seconds by length quarter (proxy)", ("diag/decode_s/*",)),
+    ("decode seconds by length quarter (proxy)", ("time/decode_by_length/*",)),
 )
 
 

@@ -71,8 +71,9 @@ def test_decode_seconds_split_over_rows_alive_at_each_step():
   lengths = np.array([1, 3, 2, 2])
   np.testing.assert_allclose(D.attributed_decode_seconds(5.0, lengths, 2), [0.5, 2.5, 1, 1])
   out = D.decode_time_by_length([(5.0, lengths), (1.0, np.array([4]))], 4, 2)
-  assert out == pytest.approx({"diag/decode_s/q1": 0.5, "diag/decode_s/q2": 2.0,
-                               "diag/decode_s/q3": 2.5, "diag/decode_s/q4": 1.0})
+  key = "time/decode_by_length/"
+  assert out == pytest.approx({key + "q1": 0.5, key + "q2": 2.0, key + "q3": 2.5,
+                               key + "q4": 1.0})
 
 
 def test_pass_rate_histograms_and_acceptance():
@@ -106,5 +107,5 @@ def test_sampling_metrics_through_the_generation_log():
   assert out["diag/distinct_answers_generated"] == pytest.approx(5 / 3)  # 1, 2, 2
   assert out["diag/distinct_answers_trained"] == pytest.approx(2.0)
   assert out["diag/accepted/p100"] == 0 and out["diag/accepted/p25-50"] == 1
-  total = sum(out[f"diag/decode_s/{q}"] for q in D.LENGTH_BUCKETS)
+  total = sum(out[f"time/decode_by_length/{q}"] for q in D.LENGTH_BUCKETS)
   assert total == pytest.approx(sum(c[0] for c in log.calls))

@@ -67,7 +67,7 @@ def test_resume_is_exact(tmp_path):
   shares = [v for k, v in rows[-1].items() if k.startswith("diag/grad_weight/")]
   assert len(shares) == 8 and sum(shares) == pytest.approx(1.0 if any(shares) else 0.0)
   for key in ("diag/distinct_answers_generated", "diag/pass_rate_generated/p0",
-              "diag/accepted/p0", "diag/decode_s/q4"):
+              "diag/accepted/p0", "time/decode_by_length/q4"):
     assert key in rows[-1], key
 
 
