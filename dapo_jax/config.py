@@ -20,6 +20,7 @@ from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
+SAMPLING_LOOPS = ("stream", "batch", "stream_eager")
 VERIFIERS = ("strict", "symbolic")
 TOKENIZER_KINDS = ("auto", "hf", "qwen2.5", "qwen2.5-math", "char")
 
@@ -87,6 +88,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.algorithm.gen_batch_size = 1536
   c.algorithm.max_num_gen_batches = 10
   c.algorithm.keep_surplus = False
+  # How dynamic sampling drives the rollout: "stream" admits prompts only while they can still
+  # be needed and keeps exactly the groups "batch" (whole generation batches) keeps, decoding
+  # less; "stream_eager" takes groups as they finish (faster on the continuous engine, biased
+  # toward short responses: see the README).
+  c.algorithm.sampling_loop = "stream"
   c.algorithm.overlong_filter = False
   # KL loss towards a frozen copy of the RL start's weights (after any SFT warm start), as
   # verl's actor.use_kl_loss; no reference model is built when off (spec 1).
@@ -196,6 +202,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
 
   if c.rollout.engine not in ROLLOUT_ENGINES:
     bad("rollout.engine", c.rollout.engine, f"choose one of {ROLLOUT_ENGINES}")
+  if c.algorithm.sampling_loop not in SAMPLING_LOOPS:
+    bad("algorithm.sampling_loop", c.algorithm.sampling_loop, f"choose one of {SAMPLING_LOOPS}")
   if c.reward.verifier not in VERIFIERS:
     bad("reward.verifier", c.reward.verifier, f"choose one of {VERIFIERS}")
   if c.tokenizer.kind not in TOKENIZER_KINDS:

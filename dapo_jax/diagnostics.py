@@ -28,8 +28,7 @@ and ``p100`` (all correct).
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +121,8 @@ def attributed_decode_seconds(seconds: float, lengths: np.ndarray, rows_per_deco
   """
   lengths = np.asarray(lengths, np.int64)
   n = lengths.shape[0]
+  if n == 0:
+    return np.zeros(0, np.float64)
   rows_per_decode = n if rows_per_decode <= 0 else rows_per_decode
   out = np.zeros(n, np.float64)
   batches = [slice(s, s + rows_per_decode) for s in range(0, n, rows_per_decode)]
@@ -177,22 +178,20 @@ def pass_rate_metrics(generated_pass: np.ndarray, trained_pass: np.ndarray,
 
 
 class GenerationLog:
-  """A dynamic sampler's ``generate_fn`` that records every group it generates and each call's
-  wall time (the call returns host arrays, so the time includes the decode)."""
+  """Every group a step's rollout handed back, with each hand-back's wall time.
 
-  def __init__(self, generate_fn: Callable[[list], Sequence[Any]]):
-    self.generate_fn = generate_fn
+  `generation.ScoringStream` appends one call per poll (the poll returns host arrays, so its
+  time includes the decode, detokenising and verifying), whichever sampling loop drives it.
+  """
+
+  def __init__(self):
     self.groups: list[Any] = []
     self.calls: list[tuple[float, np.ndarray]] = []  # (seconds, lengths of the call's rows)
 
-  def __call__(self, records: list) -> list[Any]:
-    start = time.perf_counter()
-    groups = list(self.generate_fn(records))
-    seconds = time.perf_counter() - start
-    self.groups += groups
-    self.calls.append((seconds, np.concatenate([np.asarray(g.lengths) for g in groups])
+  def record(self, seconds: float, groups: Sequence[Any]) -> None:
+    self.groups += list(groups)
+    self.calls.append((float(seconds), np.concatenate([np.asarray(g.lengths) for g in groups])
                        if groups else np.zeros(0, np.int64)))
-    return groups
 
 
 def sampling_metrics(log: GenerationLog, trained_groups: Sequence[Any], *,
@@ -200,6 +199,7 @@ def sampling_metrics(log: GenerationLog, trained_groups: Sequence[Any], *,
   """Answer repetition, pass-rate histograms/acceptance and decode time of one step's sampling.
 
   Groups need ``acc`` [G] and ``texts``; generated groups also ``lengths`` [G].
+  ``rows_per_decode``: as `attributed_decode_seconds` (0 for a continuous engine's polls).
   """
   trained_ids = {id(g) for g in trained_groups}
   out = {}

@@ -1,8 +1,11 @@
-"""Prompts -> rollout -> decoded, verified responses: the one path training and evaluation share.
+"""Prompts -> rollout -> decoded, verified responses, for training and evaluation.
 
 Host side: prompt rendering, compiled rollout calls (the whole batch, or chunks of
 ``rollout.prompts_per_call``), one device->host copy of each call's results, decoding and
-verification. Device side stays inside the sampler.
+verification. Device side stays inside the sampler. Evaluation rolls out whole batches
+(``generate_and_score``); training goes through a ``ScoringStream`` (one per step) that both
+dynamic-sampling loops read: the batch-level loop admits whole generation batches
+(``ScoringStream.generate``), the streaming loop admits prompt by prompt.
 
 On several processes (multi-controller SPMD) the records are the same on every process (see
 ``distributed.global_batches``), the rollout runs on global arrays
@@ -13,16 +16,18 @@ rewards are gathered, so the dynamic-sampling filter decides identically everywh
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from dapo_jax import distributed
+from dapo_jax import diagnostics, distributed
 from dapo_jax.data.pipeline import left_pad, render_prompt
 from dapo_jax.data.records import MathRecord
 from dapo_jax.rewards.batch import RewardBatch, RewardScorer
 from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.stream import RolloutStream
 from dapo_jax.trajectories import ScoredGroup
 
 # (weights, prompt_ids [B,P], prompt_mask [B,P], key, sampling params, num_samples) ->
@@ -127,15 +132,83 @@ class Generator:
   num_samples: int
   max_prompt_length: int
   prompts_per_call: int = 0
+  # (weights, *, params, num_samples, key) -> RolloutStream (``rollout.factory``); training only.
+  open_stream: Callable[..., RolloutStream] | None = None
 
   def __call__(self, weights, records: Sequence[MathRecord], key: jax.Array,
                pad_to: int = 0) -> ScoredRollout:
     return generate_and_score(self, weights, records, key, pad_to=pad_to)
 
-  def groups_fn(self, weights, keys: Iterator[jax.Array]
-                ) -> Callable[[list[MathRecord]], list[ScoredGroup]]:
-    """The dynamic sampler's ``generate_fn`` for one step: its weights, one key per batch."""
-    return lambda records: self(weights, records, next(keys)).groups()
+  def stream(self, weights, key: jax.Array) -> ScoringStream:
+    """One step's stream of scored groups at these weights; prompt i's samples depend on
+    (key, i) only."""
+    if self.open_stream is None:
+      raise ValueError("This Generator was built without open_stream (rollout.factory).")
+    return ScoringStream(self, self.open_stream(weights, params=self.sampling,
+                                                num_samples=self.num_samples, key=key))
+
+
+class ScoringStream:
+  """Records in, scored groups out: renders a record when admitted, decodes and verifies the
+  groups of each poll together (the dynamic sampler's ``GroupStream``).
+
+  On several processes every process admits and polls the same prompts (the rollout stream is
+  deterministic), so the gathered rewards match everywhere.
+  """
+
+  def __init__(self, gen: Generator, stream: RolloutStream):
+    self._gen, self._stream = gen, stream
+    self.log = diagnostics.GenerationLog()  # every poll's groups and wall time
+    self._records: dict[int, MathRecord] = {}
+    self._next = 0  # ``generate`` continues after the last index admitted
+
+  def admit(self, record: MathRecord, index: int) -> None:
+    self._stream.admit(render_prompt(record, self._gen.tokenizer, self._gen.max_prompt_length),
+                       index)
+    self._records[index] = record
+    self._next = max(self._next, index + 1)
+
+  @property
+  def num_pending(self) -> int:
+    return self._stream.num_pending
+
+  @property
+  def admission_block(self) -> int:
+    return int(getattr(self._stream, "admission_block", 1))
+
+  def poll(self) -> list[tuple[int, ScoredGroup]]:
+    start = time.perf_counter()
+    finished = self._stream.poll()
+    if not finished:
+      return []
+    gen = self._gen
+    records = [self._records.pop(f.prompt_index) for f in finished]
+    prompt_ids, prompt_mask = left_pad([f.prompt_ids.tolist() for f in finished],
+                                       gen.tokenizer.pad_id, length=gen.max_prompt_length)
+    out = {k: np.concatenate([getattr(f, k) for f in finished]) for k in _ROLLOUT_FIELDS}
+    groups = score_rollout(gen, records, prompt_ids, prompt_mask, out).groups()
+    self.log.record(time.perf_counter() - start, groups)
+    return [(f.prompt_index, g) for f, g in zip(finished, groups)]
+
+  def generate(self, records: Sequence[MathRecord]) -> list[ScoredGroup]:
+    """The batch-level loop's ``generate_fn``: admits the records after those already admitted
+    and returns their groups in order once all are done."""
+    first = self._next
+    for j, record in enumerate(records):
+      self.admit(record, first + j)
+    done: dict[int, ScoredGroup] = {}
+    while len(done) < len(records):
+      polled = self.poll()
+      if not polled:
+        raise RuntimeError("The rollout stream returned nothing with prompts pending.")
+      done.update(polled)
+    return [done[first + j] for j in range(len(records))]
+
+  def stats(self) -> dict[str, float]:
+    return self._stream.stats()
+
+  def close(self) -> None:
+    self._stream.close()
 
 
 def generate_and_score(gen: Generator, weights, records: Sequence[MathRecord], key: jax.Array,
@@ -155,6 +228,12 @@ def generate_and_score(gen: Generator, weights, records: Sequence[MathRecord], k
     rows = len(records) * gen.num_samples
     out = {k: v[:rows] for k, v in out.items()}
     prompt_ids, prompt_mask = prompt_ids[:len(records)], prompt_mask[:len(records)]
+  return score_rollout(gen, records, prompt_ids, prompt_mask, out)
+
+
+def score_rollout(gen: Generator, records: list[MathRecord], prompt_ids: np.ndarray,
+                  prompt_mask: np.ndarray, out: dict[str, np.ndarray]) -> ScoredRollout:
+  """Decodes and verifies B prompts' rollout rows (host arrays, prompt-major)."""
   texts = decode_responses(gen.tokenizer, out["response_ids"], out["lengths"],
                            gen.sampling.eos_ids)
   gts = [r.ground_truth for r in records for _ in range(gen.num_samples)]

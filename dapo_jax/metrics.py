@@ -15,7 +15,10 @@ The default plot panels match names by glob, so any prefix works (``train/grad_n
 ``reward_mean``, ``acc_mean``, ``avg@k``/``pass@k``/``maj@k`` (held-out, from
 `dapo_jax.eval_metrics.summarize`), ``response_length_mean``/``_max``, ``entropy``,
 ``pg_clipfrac``/``_lower``, ``ppo_kl``, ``grad_norm``, ``kept_ratio``, ``all_correct_ratio``,
-``all_wrong_ratio``, ``num_gen_batches``, and the ``diag/*`` panels of `dapo_jax.diagnostics`.
+``all_wrong_ratio``, ``num_gen_batches``/``gen_batches_admitted`` (generation batches drawn from
+the data / prompts sent to the rollout over the generation batch size: fractional when streaming
+dynamic sampling stops admitting mid-batch), ``decoded_tokens_per_kept_group``,
+``slot_utilization``, and the ``diag/*`` panels of `dapo_jax.diagnostics`.
 """
 
 from __future__ import annotations
@@ -339,8 +342,10 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("ppo_kl", ("*ppo_kl",)),
     ("grad norm", ("*grad_norm",)),
     ("dynamic sampling: group ratios", ("*kept_ratio", "*all_correct_ratio", "*all_wrong_ratio")),
-    ("generation batches per step", ("*num_gen_batches",)),
-    # dapo_jax.diagnostics (read the first next to the three before it).
+    ("generation batches per step", ("*num_gen_batches", "*gen_batches_admitted")),
+    ("decoded tokens per kept group", ("*decoded_tokens_per_kept_group",)),
+    ("decode slot utilisation", ("*slot_utilization",)),
+    # dapo_jax.diagnostics (read the first next to the group ratios and generation batches).
     ("distinct final answers per group", ("diag/distinct_answers_*",)),
     ("gradient-weight share: length quarter x correct", ("diag/grad_weight/*",)),
     ("pass rate of generated groups", ("diag/pass_rate_generated/*",)),

@@ -28,7 +28,7 @@ from dapo_jax.dynamic_sampling import DynamicSampler
 from dapo_jax.generation import Generator
 from dapo_jax.models import Qwen2Config, attention, create_model, get_preset
 from dapo_jax.rewards.batch import RewardScorer
-from dapo_jax.rollout.factory import make_rollout
+from dapo_jax.rollout.factory import make_rollout, make_stream_opener
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.weights import RolloutWeights
 from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
@@ -305,7 +305,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   generator = Generator(rollout, tokenizer, scorer, sampling_params(config, tokenizer),
                         num_samples=config.rollout.n,
                         max_prompt_length=config.data.max_prompt_length,
-                        prompts_per_call=config.rollout.prompts_per_call)
+                        prompts_per_call=config.rollout.prompts_per_call,
+                        open_stream=make_stream_opener(config, sampler_graphdef, rollout_mesh,
+                                                       rollout))
   sampler = DynamicSampler(
       train_batch_size=config.optim.train_batch_size,
       max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,

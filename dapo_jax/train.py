@@ -10,11 +10,10 @@ last checkpoint left off (same data order, same random keys).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -163,11 +162,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return result
 
 
-def rollout_keys(seed: int, step: int) -> Iterator[jax.Array]:
-  """The keys of a step's generation batches 1, 2, ...: they depend only on (seed, step, batch),
-  so a resumed run draws the same."""
-  base = jax.random.fold_in(jax.random.key(seed), 1 + step)
-  return (jax.random.fold_in(base, gen) for gen in itertools.count(1))
+def rollout_key(seed: int, step: int) -> jax.Array:
+  """A step's rollout key: it depends only on (seed, step), so a resumed run draws the same.
+
+  Prompt i of the step (i counts through its generation batches) draws from it and i alone
+  (``rollout.static_stream``, ``rollout.stream``).
+  """
+  return jax.random.fold_in(jax.random.key(seed), 1 + step)
 
 
 def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bool]:
@@ -202,21 +203,35 @@ def _before_rl(config, run: run_setup.Run, state: TrainState, evaluator
 def _sample(config, run: run_setup.Run, state: TrainState, step: int
             ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
   """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update;
-  the step's sampling diagnostics (`diagnostics.sampling_metrics`)."""
-  generate = diagnostics.GenerationLog(run.generator.groups_fn(
-      run.to_rollout(state.params), rollout_keys(config.seed, step)))
+  the step's sampling diagnostics (`diagnostics.sampling_metrics`).
+
+  ``algorithm.sampling_loop``: "batch" rolls out whole generation batches; "stream" admits
+  prompts only while they can be needed and keeps the same groups; "stream_eager" takes
+  groups as they finish. A kill mid-rollout resumes from the last checkpoint (a step
+  boundary, where nothing is in flight) and redraws the step with the same keys.
+  """
+  loop = config.algorithm.sampling_loop
+  stream = run.generator.stream(run.to_rollout(state.params), rollout_key(config.seed, step))
+  batches = distributed.global_batches(run.iterator)
   try:
-    groups, ds_stats = run.sampler.sample(distributed.global_batches(run.iterator),
-                                          generate_fn=generate)
+    if loop == "batch":
+      groups, ds_stats = run.sampler.sample(batches, generate_fn=stream.generate)
+    else:
+      groups, ds_stats = run.sampler.sample_stream(batches, stream, wait=loop == "stream")
   except DynamicSamplingError as err:
     raise _sampling_stopped(err, step, config, run, state) from err
+  finally:
+    decoded = stream.stats()
+    stream.close()
   traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step)
+  ds_stats.decoded_tokens = int(decoded["decoded_tokens"])
+  ds_stats.decode_slot_steps = int(decoded["slot_steps"])
   traj = Trajectories.from_groups(groups)
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
                                            "The dynamic-sampling batch")
   ppc = config.rollout.prompts_per_call if config.rollout.engine == "static" else 0
-  diag = diagnostics.sampling_metrics(generate, groups,
+  diag = diagnostics.sampling_metrics(stream.log, groups,
                                       max_response_length=config.rollout.max_response_length,
                                       rows_per_decode=ppc * config.rollout.n)
   return traj, ds_stats, diag

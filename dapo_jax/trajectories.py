@@ -31,8 +31,8 @@ class ScoredGroup(Group):
   """One prompt's G responses (P prompt and R response columns) as the rollout scored them.
 
   ``acc`` and ``reward`` ([G], from ``Group``) are what dynamic sampling reads; the rest is
-  what the update reads. ``num_errors``/``num_timeouts`` are the verifier's counts of the
-  whole generation batch, held by its first group (0 in the others).
+  what the update reads. ``num_errors``/``num_timeouts`` are the verifier's counts of one
+  scoring call (a poll of the step's rollout stream), held by its first group (0 in the others).
   """
   prompt: MathRecord
   prompt_ids: np.ndarray  # [G, P] int32, left-padded

@@ -98,11 +98,13 @@ def _group(answers, acc, lengths):
 
 
 def test_sampling_metrics_through_the_generation_log():
-  batches = [[_group([1, 1], [True, True], [3, 3]), _group([1, 2], [True, False], [1, 4])],
-             [_group([3, 4], [False, True], [2, 2])]]
-  log = D.GenerationLog(lambda records: batches.pop(0))
-  first, second = log(["a", "b"]), log(["c"])
-  assert [len(c[1]) for c in log.calls] == [4, 2] and len(log.groups) == 3
+  first = [_group([1, 1], [True, True], [3, 3]), _group([1, 2], [True, False], [1, 4])]
+  second = [_group([3, 4], [False, True], [2, 2])]
+  log = D.GenerationLog()
+  log.record(5.0, first)
+  log.record(1.0, second)
+  log.record(0.0, [])
+  assert [len(c[1]) for c in log.calls] == [4, 2, 0] and len(log.groups) == 3
   out = D.sampling_metrics(log, [first[1], second[0]], max_response_length=4, rows_per_decode=0)
   assert out["diag/distinct_answers_generated"] == pytest.approx(5 / 3)  # 1, 2, 2
   assert out["diag/distinct_answers_trained"] == pytest.approx(2.0)

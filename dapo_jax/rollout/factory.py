@@ -1,4 +1,5 @@
-"""Picks the rollout engine a config asks for; both return the same ``RolloutBatch``."""
+"""Picks the rollout engine a config asks for: a rollout callable (both engines return the same
+``RolloutBatch``) and a `RolloutStream` opener for streaming dynamic sampling."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from jax.sharding import Mesh
 from dapo_jax import sharding as shd
 from dapo_jax.rollout.sampler import RolloutBatch, Sampler
 from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.static_stream import StaticStream
+from dapo_jax.rollout.stream import RolloutStream
 
 # (params_state, prompt_ids [B,P], prompt_mask [B,P], key, params, num_samples) -> RolloutBatch
 RolloutCallable = Callable[[nnx.State, Any, Any, jax.Array, SamplingParams, int], RolloutBatch]
+# (params_state, *, params, num_samples, key) -> RolloutStream
+StreamOpener = Callable[..., RolloutStream]
 
 
 def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh: Mesh | None,
@@ -30,3 +35,34 @@ def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh
                                       max_concurrent_decodes=config.rollout.max_concurrent_decodes,
                                       max_prefill_length=config.data.max_prompt_length)
   raise ValueError(f"config.rollout.engine={engine!r}; choose 'static' or 'continuous'.")
+
+
+def make_stream_opener(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+                       mesh: Mesh | None, rollout: RolloutCallable) -> StreamOpener:
+  """``open_stream(state, *, params, num_samples, key)`` for ``config.rollout.engine``.
+
+  Static: a `StaticStream` over ``rollout`` (already wrapped for several processes) in the
+  batch-level loop's call layout, so both loops decode the same rows with the same keys.
+  Continuous: the engine's own stream.
+  """
+  if config.rollout.engine == "static":
+    gen, ppc = config.algorithm.gen_batch_size, config.rollout.prompts_per_call
+    per_call = ppc if 0 < ppc < gen else gen
+
+    def open_static(state, *, params: SamplingParams, num_samples: int, key: jax.Array):
+      return StaticStream(rollout, state, params=params, num_samples=num_samples, key=key,
+                          prompts_per_call=per_call, calls_per_batch=gen // per_call,
+                          prompt_length=config.data.max_prompt_length)
+    return open_static
+  if config.rollout.engine == "continuous":
+    from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+    sampler = continuous.ContinuousSampler(
+        graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
+        max_prefill_length=config.data.max_prompt_length)
+    if hasattr(sampler, "open_stream"):
+      return sampler.open_stream
+    # TEMPORARY until the engine's in-loop stream lands (see rollout/run_stream.py).
+    from dapo_jax.rollout.run_stream import RunStream  # pylint: disable=g-import-not-at-top
+    return lambda state, **kw: RunStream(sampler, state, **kw)
+  raise ValueError(f"config.rollout.engine={config.rollout.engine!r}; choose 'static' or "
+                   "'continuous'.")
