@@ -63,8 +63,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.max_response_length = 20480
-  c.rollout.engine = "static"  # or "continuous" (JetStream engine, slot refill)
-  c.rollout.max_concurrent_decodes = 256  # continuous engine slots
+  # "continuous" (rollout/continuous.py: slots refilled inside the compiled decode loop, any mesh
+  # and process count) or "static" (rollout/sampler.py: one while_loop per batch of rows).
+  c.rollout.engine = "continuous"
+  c.rollout.max_concurrent_decodes = 256  # continuous engine slots (split over the batch axes)
   c.rollout.use_sampler_logprobs = False  # spec 6.2: recompute old log-probs by default
   # Prompts per compiled rollout call (static engine); 0 = the whole generation batch at once.
   # The KV cache grows with it: `dapo-plan` reports what fits.
@@ -344,6 +346,9 @@ def _check_batch_split(c: ml_collections.ConfigDict, num_devices: int, bad) -> N
   if c.sft.steps > 0:
     need("sft.batch_size", c.sft.batch_size, 1, train, train_axes,
          "sft.batch_size")
+  if c.rollout.engine == "continuous":
+    need("rollout.max_concurrent_decodes", c.rollout.max_concurrent_decodes, 1, roll, roll_axes,
+         "rollout.max_concurrent_decodes decode slots")
   if c.rollout.engine == "static":
     gen, ppc = c.algorithm.gen_batch_size, c.rollout.prompts_per_call
     field, prompts = (("rollout.prompts_per_call", ppc) if 0 < ppc < gen

@@ -15,7 +15,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import distributed
 from dapo_jax import run_files
 from dapo_jax import sharding as shd
 from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
@@ -277,13 +276,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   train_records = load_dataset(config.data.train, config, "train")
   eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
   sampler_graphdef, _ = nnx.split(model)
-  if jax.process_count() > 1 and config.rollout.engine != "static":
-    raise ValueError(f"config.rollout.engine={config.rollout.engine!r} drives its slots from one "
-                     "host; on several processes use rollout.engine='static'.")
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(config, mesh)
-  rollout = distributed.global_rollout(
-      make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer), rollout_mesh)
+  rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
   to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
   tcfg = train_config(config)
   graphdef, state = init_train_state(model, tcfg, mesh)

@@ -146,8 +146,12 @@ def _tiny(**over):
 
 @pytest.mark.parametrize("over, field, near", [
     ({"algorithm.gen_batch_size": 36, "rollout.prompts_per_call": 12, "rollout.n": 1,
-      "optim.mini_batch_size": 8}, "rollout.prompts_per_call=12", "8 or 16"),
-    ({"algorithm.gen_batch_size": 10, "rollout.n": 2}, "algorithm.gen_batch_size=10", "8 or 12"),
+      "optim.mini_batch_size": 8, "rollout.engine": "static"}, "rollout.prompts_per_call=12",
+     "8 or 16"),
+    ({"algorithm.gen_batch_size": 10, "rollout.n": 2, "rollout.engine": "static"},
+     "algorithm.gen_batch_size=10", "8 or 12"),
+    # The continuous engine splits its slots, not the calls' rows.
+    ({"rollout.max_concurrent_decodes": 20}, "rollout.max_concurrent_decodes=20", "16 or 24"),
     ({"eval.batch_size": 6, "eval.num_samples": 1}, "eval.batch_size=6", "8"),
     ({"optim.mini_batch_size": 2, "rollout.n": 3, "optim.micro_batch_size": 6},
      "optim.mini_batch_size=2", "8"),

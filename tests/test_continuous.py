@@ -1,137 +1,138 @@
-"""Continuous-batching driver: per-request greedy parity, budgets, slot refill, no retrace."""
-
-import collections
+"""Continuous-batching engine: greedy parity with the static sampler, budgets, in-loop refill,
+one prefill per prompt, schedule-independent sampling, the stream interface, a sharded mesh."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from flax import nnx  # pylint: disable=g-import-not-at-top,g-bad-import-order
-
-import dapo_jax  # pylint: disable=g-import-not-at-top
-from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
-from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
-from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
-from tests import rollout_fixtures  # pylint: disable=g-import-not-at-top
+from dapo_jax import sharding as shd
+from dapo_jax.models import create_model, get_preset
+from dapo_jax.rollout import continuous
+from dapo_jax.rollout.sampler import Sampler
+from dapo_jax.rollout.sampling import SamplingParams
 
 R = 12
-BUDGETS = [3, 9, 1, 12, 5, 12, 2]
-NUM_SLOTS = 3  # fewer than the 7 requests: slots must be refilled
-
-
-def _prompts():
-  rng = np.random.default_rng(0)
-  return [rng.integers(4, 128, size=rng.integers(3, 12)).tolist() for _ in BUDGETS]
-
-
-def _left_pad(prompts):
-  p = max(map(len, prompts))
-  ids = np.zeros((len(prompts), p), np.int32)
-  mask = np.zeros((len(prompts), p), bool)
-  for i, q in enumerate(prompts):
-    ids[i, p - len(q):], mask[i, p - len(q):] = q, True
-  return ids, mask
+G = 3
+NUM_SLOTS = 4  # fewer than the 5 x 3 rows: slots are refilled inside the compiled loop
+BUDGETS = [3, 9, 1, 12, 5, 12, 2, 7, 12, 4, 12, 6, 1, 8, 12]  # one per row (b*G + g)
 
 
 @pytest.fixture(scope="module")
 def split_model():
-  return nnx.split(dapo_jax.load_pretrained(rollout_fixtures.tiny_checkpoint()))
+  return nnx.split(create_model(get_preset("test"), seed=0))
+
+
+def _prompts(b=5):
+  """Left-padded prompts of different lengths."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(4, 100, (b, 9)).astype(np.int32)
+  mask = np.ones_like(ids, bool)
+  for i, pad in enumerate(rng.integers(0, 6, b)):
+    mask[i, :pad] = False
+  return np.where(mask, ids, 0), mask
 
 
 @pytest.fixture(scope="module")
 def reference(split_model):
-  """Static-sampler greedy rows (no stop token), one per prompt, and a stop id they contain."""
+  """Static-sampler greedy rows and a stop id row 3 emits at its 5th token."""
   graphdef, state = split_model
-  ids, mask = _left_pad(_prompts())
+  ids, mask = _prompts()
+  params = SamplingParams(temperature=0.0, max_new_tokens=R)
   out = Sampler(graphdef).generate(state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
-                                   SamplingParams(temperature=0.0, max_new_tokens=R))
-  tokens, logprobs = np.asarray(out.response_ids), np.asarray(out.logprobs)
-  return tokens, logprobs, int(tokens[1, 4])  # row 1 (budget 9) stops at its 5th token
+                                   params, num_samples=G)
+  return np.asarray(out.response_ids), np.asarray(out.logprobs), int(out.response_ids[3, 4])
 
 
-def _expected(tokens_R, budget, eos):
-  row = tokens_R[:budget].tolist()
-  return row[:row.index(eos) + 1] if eos in row else row
-
-
-def _by_request(batch, n):
-  lengths = np.asarray(batch.lengths)
-  return [(np.asarray(batch.response_ids[i, :lengths[i]]).tolist(),
-           np.asarray(batch.logprobs[i, :lengths[i]])) for i in range(n)]
-
-
-def test_matches_per_request_greedy_with_budgets_and_refill(split_model, reference):
+def test_greedy_rows_match_the_static_sampler_with_budgets_and_refill(split_model, reference):
   graphdef, state = split_model
   ref_tokens, ref_logprobs, eos = reference
+  ids, mask = _prompts()
   params = SamplingParams(temperature=0.0, max_new_tokens=R, eos_ids=(eos,), pad_id=0)
-  requests = [continuous.Request(p, prompt_index=i, max_new_tokens=b)
-              for i, (p, b) in enumerate(zip(_prompts(), BUDGETS))]
-  sampler = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=8)
-  batch = sampler.run(state, requests, jax.random.key(0), params)
+  sampler = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=5,
+                                         max_prefill_length=16)
+  batch = sampler.generate(state, ids, mask, jax.random.key(0), params, num_samples=G,
+                           max_new_tokens=BUDGETS)
   stats = sampler.last_stats
-
-  for i, (tokens, logprobs) in enumerate(_by_request(batch, len(requests))):
-    expected = _expected(ref_tokens[i], BUDGETS[i], eos)
-    assert tokens == expected, i
-    np.testing.assert_allclose(logprobs, ref_logprobs[i, :len(expected)], atol=1e-5)
+  lengths = np.asarray(batch.lengths)
+  for i, budget in enumerate(BUDGETS):
+    row = ref_tokens[i, :budget].tolist()
+    expected = row[:row.index(eos) + 1] if eos in row else row
+    assert np.asarray(batch.response_ids[i, :lengths[i]]).tolist() == expected, i
+    np.testing.assert_allclose(batch.logprobs[i, :lengths[i]], ref_logprobs[i, :len(expected)],
+                               atol=1e-5)
     assert bool(batch.truncated[i]) == (expected[-1] != eos)
   assert not np.all(batch.truncated) and np.any(batch.truncated)  # both endings exercised
-  lengths = np.asarray(batch.lengths)
-  assert np.all(lengths >= 1) and np.all(lengths <= BUDGETS)
   np.testing.assert_array_equal(batch.response_mask, np.arange(R)[None] < lengths[:, None])
   assert np.all(np.asarray(batch.response_ids)[~np.asarray(batch.response_mask)] == 0)
-  # Refill: more requests than slots, several prefill+insert rounds, slots reused.
-  assert stats.refills > 1
-  assert max(collections.Counter(stats.slot_of_request).values()) >= 2
-  assert stats.busy_slot_steps == int(lengths.sum()) - len(requests)  # prefill made the first
+  np.testing.assert_array_equal(batch.prompt_ids, np.repeat(ids, G, axis=0))
+  # Each prompt prefilled once; every emitted token took one slot-step; several rows per slot
+  # refilled inside a chunk (fewer chunks than rows, which a host-side refill would need).
+  assert stats.prompts_prefilled == len(ids) and stats.busy_slot_steps == lengths.sum()
+  assert stats.chunks < len(BUDGETS) and stats.decode_steps < lengths.sum() / 2
 
-  # Same shapes again: nothing retraces. Reversed order: same per-request results.
+  # Same shapes again: nothing retraces.
   traces = continuous.TRACES.snapshot()
-  again = sampler.run(state, requests, jax.random.key(0), params)
+  again = sampler.generate(state, ids, mask, jax.random.key(0), params, num_samples=G,
+                           max_new_tokens=BUDGETS)
   assert continuous.TRACES.snapshot() == traces
   np.testing.assert_array_equal(again.response_ids, batch.response_ids)
-  reverse = sampler.run(state, requests[::-1], jax.random.key(0), params)
-  np.testing.assert_array_equal(np.asarray(reverse.response_ids)[::-1], batch.response_ids)
-
-
-def test_rollout_fn_returns_the_static_samplers_batch(split_model, reference):
-  graphdef, state = split_model
-  eos = reference[2]
-  ids, mask = _left_pad(_prompts()[:3])
-  params = SamplingParams(temperature=0.0, max_new_tokens=R, eos_ids=(eos,), pad_id=0)
-  rollout = continuous.make_rollout_fn(graphdef, max_concurrent_decodes=NUM_SLOTS,
-                                       max_prefill_length=16)
-  ours = rollout(state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(1), params, 2)
-  ref = Sampler(graphdef).generate(state, jnp.asarray(ids), jnp.asarray(mask),
-                                   jax.random.key(1), params, num_samples=2)
-  for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "lengths",
-               "truncated", "num_steps"):
-    np.testing.assert_array_equal(getattr(ours, name), getattr(ref, name), err_msg=name)
-  np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-5)
 
 
 def test_sampled_tokens_do_not_depend_on_the_schedule(split_model):
+  """Sample g of prompt i draws from (key, i, g): slots, chunk size and admission order do not
+  change it, so a stream fed in reverse gives the same rows."""
   graphdef, state = split_model
+  ids, mask = _prompts()
   params = SamplingParams(temperature=1.0, max_new_tokens=R, pad_id=0)
-  requests = [continuous.Request(p, prompt_index=i // 2, sample_index=i % 2, max_new_tokens=b)
-              for i, (p, b) in enumerate(zip(_prompts(), BUDGETS))]
-  sampler = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=8)
-  forward = _by_request(sampler.run(state, requests, jax.random.key(3), params), len(requests))
-  backward = _by_request(sampler.run(state, requests[::-1], jax.random.key(3), params),
-                         len(requests))[::-1]
-  for (t1, lp1), (t2, lp2) in zip(forward, backward):
-    assert t1 == t2
-    np.testing.assert_allclose(lp1, lp2, atol=1e-5)
-  assert len({tuple(t) for t, _ in forward}) == len(requests)  # distinct streams per request
+  wide = continuous.ContinuousSampler(graphdef, num_slots=16, chunk_steps=32)
+  forward = wide.generate(state, ids, mask, jax.random.key(3), params, num_samples=G)
+  narrow = continuous.ContinuousSampler(graphdef, num_slots=2, chunk_steps=3, queue_prompts=1)
+  stream = narrow.open_stream(state, params=params, num_samples=G, key=jax.random.key(3),
+                              prompt_length=9)
+  for i in reversed(range(len(ids))):
+    stream.admit(ids[i][mask[i]], prompt_index=i)
+  with pytest.raises(ValueError, match="already admitted"):
+    stream.admit(ids[0][mask[0]], prompt_index=0)
+  groups = {}
+  while stream.num_pending:
+    polled = stream.poll()
+    assert polled  # a poll returns at least one group while any is pending
+    groups.update((f.prompt_index, f) for f in polled)
+  assert stream.poll() == [] and stream.stats()["prompts"] == len(ids)
+  stream.close()
+  for i, f in groups.items():
+    rows = slice(i * G, (i + 1) * G)
+    np.testing.assert_array_equal(f.response_ids, forward.response_ids[rows])
+    np.testing.assert_allclose(f.logprobs, forward.logprobs[rows], atol=1e-5)
+    np.testing.assert_array_equal(f.prompt_ids, ids[i][mask[i]])
+  assert len({tuple(r) for r in np.asarray(forward.response_ids).tolist()}) == len(BUDGETS)
+
+
+def test_slots_sharded_over_the_mesh_match_one_device(split_model):
+  graphdef, state = split_model
+  ids, mask = _prompts(4)
+  params = SamplingParams(temperature=1.0, max_new_tokens=R, eos_ids=(5, 7, 9))
+  one = continuous.ContinuousSampler(graphdef, num_slots=8, chunk_steps=5)
+  ref = one.generate(state, ids, mask, jax.random.key(1), params, num_samples=G)
+  mesh = shd.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+  sharded = continuous.ContinuousSampler(graphdef, num_slots=8, chunk_steps=5, mesh=mesh)
+  out = sharded.generate(state, ids, mask, jax.random.key(1), params, num_samples=G)
+  np.testing.assert_array_equal(out.response_ids, ref.response_ids)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  assert sharded.last_stats.decode_steps == one.last_stats.decode_steps
+  with pytest.raises(ValueError, match="batch shards"):
+    continuous.ContinuousSampler(graphdef, num_slots=6, mesh=mesh)
 
 
 def test_bad_budget_raises(split_model):
   graphdef, state = split_model
   sampler = continuous.ContinuousSampler(graphdef, num_slots=2)
+  params = SamplingParams(temperature=0.0, max_new_tokens=R)
+  stream = sampler.open_stream(state, params=params, num_samples=2, key=jax.random.key(0),
+                               prompt_length=4)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    sampler.run(state, [continuous.Request([5, 6], max_new_tokens=R + 1)], jax.random.key(0),
-                SamplingParams(temperature=0.0, max_new_tokens=R))
+    stream.admit([5, 6], prompt_index=0, max_new_tokens=[1, R + 1])
+  with pytest.raises(ValueError, match="at most 16"):
+    stream.admit(list(range(1, 20)), prompt_index=1)

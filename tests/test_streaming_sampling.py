@@ -24,7 +24,6 @@ from dapo_jax.generation import Generator
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rewards.batch import RewardBatch
 from dapo_jax.rollout.continuous import ContinuousSampler
-from dapo_jax.rollout.run_stream import RunStream
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.static_stream import StaticStream
@@ -186,9 +185,10 @@ def test_static_stream_decodes_what_the_chunked_rollout_decodes(tiny_generator):
 def test_stream_trains_on_the_batch_loops_groups(tiny_generator, engine):
   """Same prompts, same samples: identical kept groups and advantages, fewer prompts decoded."""
   gen, weights, records, b = tiny_generator
-  if engine == "continuous":  # the temporary stream over ContinuousSampler.run
-    cont = ContinuousSampler(gen.open_stream.graphdef, num_slots=8, chunk_steps=4)
-    gen = dataclasses.replace(gen, open_stream=lambda state, **kw: RunStream(cont, state, **kw))
+  if engine == "continuous":  # slots refilled inside the compiled loop
+    cont = ContinuousSampler(gen.open_stream.graphdef, num_slots=8, chunk_steps=4,
+                             max_prefill_length=24)
+    gen = dataclasses.replace(gen, open_stream=cont.open_stream)
   results = {}
   for loop in ("batch", "stream"):
     sampler = DynamicSampler(train_batch_size=5)

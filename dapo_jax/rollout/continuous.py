@@ -1,170 +1,239 @@
 """Continuous-batching rollout: every decode slot stays busy; a finished slot is refilled at once.
 
-Built from the decode-slot pieces the JetStream engine also uses (`prefill_rows`, `insert_rows`,
-`decode_step` in `rollout/slots.py`; no jetstream import), in two compiled programs with the slot
-state donated:
+The host side of the engine whose compiled programs live in `rollout/slot_programs.py`:
 
-* `refill`: prefills up to N waiting requests as one batch (padded to a power of two) and inserts
-  them into the free slots; the prefill token is the first response token.
-* `decode_chunk`: a `lax.while_loop` of up to `chunk_steps` decode steps that stops as soon as any
-  slot finishes (stop token or its own budget), so the host syncs once per finish event (at most
-  every `chunk_steps` steps), never once per token, and no slot idles waiting for a fixed chunk.
+* `ContinuousStream` (the `rollout.stream.RolloutStream` interface): `admit` queues a prompt on
+  the host; `poll` enqueues waiting prompts into the device queue (each prefilled once, its KV
+  later copied into its G slots), then runs compiled chunks of decode steps that admit queued
+  samples into free slots themselves, reading the emitted tokens once per chunk, until a group
+  has finished.
+* `ContinuousSampler.generate`: the static sampler's contract (rows prompt-major) on a stream.
 
-The result is the static sampler's `RolloutBatch`, so the trainer can pick either by config:
-
-    sampler = ContinuousSampler(graphdef, num_slots=64)
+    sampler = ContinuousSampler(graphdef, num_slots=64, mesh=mesh)
     batch = sampler.generate(state, ids_BxP, mask_BxP, key, params, num_samples=G)
 
-Request (b, g) draws its tokens from fold_in(fold_in(key, b), g) whatever slot it lands in, so
-results do not depend on the schedule.
+Sample g of prompt i draws from fold_in(fold_in(key, i), g) (token at position q: one more fold),
+whatever slot or chunk it lands in, so results do not depend on the schedule. With a mesh, slots
+are split over its batch axes; on several processes every process runs the same host schedule
+on the same (replicated) chunk outputs, so all take the same decisions.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import math
 from typing import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dapo_jax import distributed
 from dapo_jax import sharding as shd
 from dapo_jax.models.init import cast_params
+from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import RolloutBatch
-from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
-from dapo_jax.tracing import TraceCounter
+from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.stream import FinishedGroup
 
-TRACES = TraceCounter()  # per program: tests assert no retrace
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """One response to generate.
-
-  Attributes:
-    prompt_ids: the prompt's real tokens (no padding).
-    prompt_index: with `sample_index`, picks the request's random stream.
-    sample_index: which of the prompt's samples this is.
-    max_new_tokens: this request's budget (default and cap: `SamplingParams.max_new_tokens`).
-  """
-  prompt_ids: Sequence[int]
-  prompt_index: int = 0
-  sample_index: int = 0
-  max_new_tokens: int | None = None
+TRACES = prog.TRACES
 
 
 @dataclasses.dataclass
 class RolloutStats:
-  """What the last rollout did (host-side counters; no extra device work)."""
-  requests: int = 0
-  refills: int = 0  # refill programs run
-  chunks: int = 0  # decode_chunk programs run
+  """What a stream did so far (host-side counters; no extra device work)."""
+  prompts: int = 0  # admitted
+  enqueues: int = 0  # enqueue (prefill) programs run
+  prompts_prefilled: int = 0
+  chunks: int = 0  # chunk programs run (= host reads)
   decode_steps: int = 0  # decode steps run (all slots advance together)
-  busy_slot_steps: int = 0  # sum over steps of slots holding a live request
+  busy_slot_steps: int = 0  # slot-steps that emitted a token of a live sample
   num_slots: int = 0
-  slot_of_request: list[int] = dataclasses.field(default_factory=list)  # last slot of each
 
   @property
   def utilization(self) -> float:
-    """Fraction of slot-steps that decoded a live request."""
+    """Fraction of decoded slot-steps that emitted a token of a live sample."""
     return self.busy_slot_steps / max(1, self.decode_steps * self.num_slots)
 
-
-@flax.struct.dataclass
-class _Slots:
-  decode: sl.DecodeState
-  active: jax.Array  # [N] bool: holds a request still generating
-  fresh_done: jax.Array  # [N] bool: finished by its prefill token (budget 1 or a stop token)
-  count: jax.Array  # [N] int32 response tokens emitted so far
-  budget: jax.Array  # [N] int32
+  def to_dict(self) -> dict[str, float]:
+    d = {k: float(v) for k, v in dataclasses.asdict(self).items()}
+    # The keys every `RolloutStream.stats` gives (the first token also comes from a decode step).
+    d.update(slot_utilization=self.utilization, decoded_tokens=float(self.busy_slot_steps),
+             slot_steps=float(self.decode_steps * self.num_slots))
+    return d
 
 
-_STATIC = ("graphdef", "params", "mesh")
+@dataclasses.dataclass
+class _Group:
+  """A prompt admitted to a stream: its samples' tokens as they arrive."""
+  prompt_index: int
+  prompt_ids: np.ndarray
+  budget: np.ndarray  # [G]
+  tokens: list[list[int]]
+  logprobs: list[list[float]]
+  done: int = 0
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "cache_length"))
-def _init_program(state, *, graphdef, num_slots: int, cache_length: int) -> _Slots:
-  decode = sl.empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
-  z = jnp.zeros((num_slots,), jnp.int32)
-  return _Slots(decode=decode, active=z.astype(bool), fresh_done=z.astype(bool), count=z,
-                budget=z)
+class ContinuousStream:
+  """One stream of prompts through a `ContinuousSampler` (see `rollout.stream.RolloutStream`).
 
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("slots",))
-def _refill_program(state, slots: _Slots, tokens_MxP, true_length_M, base_key_data, key_ids_Mx2,
-                    slot_ids_M, budget_M, *, graphdef, params: SamplingParams,
-                    mesh: Mesh | None) -> tuple[_Slots, jax.Array, jax.Array]:
-  """Prefills M requests and inserts them; slot id N (out of range) marks batch padding."""
-  TRACES.record("refill")
-  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
-    keys = request_keys(base_key_data, key_ids_Mx2)
-    prefix = sl.prefill_rows(nnx.merge(graphdef, state), tokens_MxP, true_length_M, keys, params)
-  done_M = is_stop(prefix.token, params.eos_ids) | (budget_M <= 1)
-  put = lambda dst, src: dst.at[slot_ids_M].set(src, mode="drop")
-  slots = _Slots(decode=sl.insert_rows(prefix, slots.decode, slot_ids_M),
-                 active=put(slots.active, ~done_M), fresh_done=put(slots.fresh_done, done_M),
-                 count=put(slots.count, jnp.ones_like(budget_M)),
-                 budget=put(slots.budget, budget_M))
-  return slots, prefix.token, prefix.logprob
-
-
-@flax.struct.dataclass
-class _Chunk:
-  step: jax.Array
-  any_done: jax.Array
-  slots: _Slots
-  tokens_KxN: jax.Array
-  logprobs_KxN: jax.Array
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("chunk_steps",),
-                   donate_argnames=("slots",))
-def _decode_chunk_program(state, slots: _Slots, *, graphdef, params: SamplingParams,
-                          mesh: Mesh | None, chunk_steps: int
-                          ) -> tuple[_Slots, jax.Array, jax.Array, jax.Array]:
-  """Decodes until a slot finishes or `chunk_steps` steps; tokens are -1 where not emitted.
-
-  Returns the slots, tokens and log-probs [chunk_steps, N], and the number of steps run.
+  Args beyond the protocol: `admit(..., max_new_tokens=[G budgets])` caps each sample's length
+  (default `params.max_new_tokens`), e.g. to replay a fixed length mix.
   """
-  TRACES.record("decode_chunk")
-  n = slots.count.shape[0]
-  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
-    model = nnx.merge(graphdef, state)
 
-    def cond(c: _Chunk) -> jax.Array:
-      return (c.step < chunk_steps) & ~c.any_done
+  def __init__(self, sampler: ContinuousSampler, state: nnx.State, params: SamplingParams,
+               num_samples: int, key: jax.Array, prompt_length: int):
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+    self._s, self._params, self._g = sampler, params, num_samples
+    if prompt_length > sampler.max_prefill_length:
+      raise ValueError(f"A prompt of {prompt_length} tokens exceeds max_prefill_length="
+                       f"{sampler.max_prefill_length}.")
+    self._p = sl.prefill_bucket(prompt_length)  # the queue's prompt slots
+    mesh = sampler.mesh
+    if mesh is not None:
+      state = jax.device_put(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
+    # fp32 master weights of a bf16 model: cast once per stream, not on every decode step.
+    self._state = cast_params(state, nnx.merge(sampler.graphdef, state).config.jnp_param_dtype)
+    is_typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    key_data = np.asarray(jax.device_get(jax.random.key_data(key) if is_typed else key))
+    self._key = self._put(key_data.astype(np.uint32))
+    self._queue_size = sampler.queue_prompts(num_samples)
+    self._engine = prog.init_program(
+        self._state, graphdef=sampler.graphdef, num_slots=sampler.num_slots,
+        queue_size=self._queue_size, num_samples=num_samples, prompt_length=self._p,
+        cache_length=self._p + params.max_new_tokens, mesh=mesh)
+    self._free_entries = list(range(self._queue_size))
+    self._host: collections.deque[int] = collections.deque()  # seqs not yet enqueued
+    self._groups: dict[int, _Group] = {}  # seq -> group, until returned by poll
+    self._index_seen: set[int] = set()
+    self._stats = RolloutStats(num_slots=sampler.num_slots)
 
-    def body(c: _Chunk) -> _Chunk:
-      s = c.slots
-      decode, _, _, _ = sl.decode_step(model, s.decode, params)
-      live = s.active
-      count = s.count + live
-      finished = live & (is_stop(decode.token, params.eos_ids) | (count >= s.budget))
-      put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
-      return _Chunk(step=c.step + 1, any_done=jnp.any(finished),
-                    slots=s.replace(decode=decode, active=live & ~finished, count=count),
-                    tokens_KxN=put(c.tokens_KxN, jnp.where(live, decode.token, -1)),
-                    logprobs_KxN=put(c.logprobs_KxN, jnp.where(live, decode.logprob, 0.0)))
+  def _put(self, x: np.ndarray):
+    """A host value (the same on every process) as a replicated input of the programs."""
+    x = np.asarray(x)
+    if self._s.mesh is None:
+      return x
+    sharding = NamedSharding(self._s.mesh, PartitionSpec())
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-    init = _Chunk(step=jnp.array(0, jnp.int32), any_done=jnp.any(slots.fresh_done),
-                  slots=slots.replace(fresh_done=jnp.zeros_like(slots.fresh_done)),
-                  tokens_KxN=jnp.full((chunk_steps, n), -1, jnp.int32),
-                  logprobs_KxN=jnp.zeros((chunk_steps, n), jnp.float32))
-    out = jax.lax.while_loop(cond, body, init)
-  return out.slots, out.tokens_KxN, out.logprobs_KxN, out.step
+  def admit(self, prompt_ids: Sequence[int], prompt_index: int,
+            max_new_tokens: Sequence[int] | None = None) -> None:
+    ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+    r = self._params.max_new_tokens
+    if ids.size == 0:
+      raise ValueError("A prompt needs at least one token.")
+    limit = min(self._p, self._s.max_prefill_length)
+    if ids.size > limit:
+      raise ValueError(f"A prompt has {ids.size} tokens; this stream takes at most {limit} "
+                       f"(max_prefill_length {self._s.max_prefill_length}).")
+    if prompt_index in self._index_seen:
+      raise ValueError(f"prompt_index {prompt_index} was already admitted to this stream.")
+    budget = np.full((self._g,), r, np.int32) if max_new_tokens is None else np.asarray(
+        max_new_tokens, np.int32).reshape(-1)
+    if budget.shape != (self._g,) or np.any((budget < 1) | (budget > r)):
+      raise ValueError(f"max_new_tokens must be {self._g} budgets in [1, {r}] "
+                       f"(SamplingParams.max_new_tokens); got {budget.tolist()}.")
+    self._index_seen.add(prompt_index)
+    seq = self._stats.prompts
+    self._stats.prompts += 1
+    self._groups[seq] = _Group(prompt_index, ids, budget, [[] for _ in range(self._g)],
+                               [[] for _ in range(self._g)])
+    self._host.append(seq)
+
+  @property
+  def num_pending(self) -> int:
+    return len(self._groups)
+
+  def _enqueue(self) -> None:
+    """Prefills as many host-side prompts as the device queue has free entries for."""
+    take = min(len(self._free_entries), len(self._host))
+    if not take:
+      return
+    m = _pow2_at_least(take, self._queue_size)
+    tokens = np.zeros((m, self._p), np.int32)
+    true_len = np.ones((m,), np.int32)
+    key_id, seq = np.zeros((m,), np.int32), np.zeros((m,), np.int32)
+    budget = np.ones((m, self._g), np.int32)
+    entry = np.full((m,), self._queue_size, np.int32)  # out of range: padding, dropped
+    for row in range(take):
+      sq = self._host.popleft()
+      grp = self._groups[sq]
+      tokens[row, :grp.prompt_ids.size] = grp.prompt_ids
+      true_len[row], key_id[row], seq[row] = grp.prompt_ids.size, grp.prompt_index, sq
+      budget[row], entry[row] = grp.budget, self._free_entries.pop(0)
+    args = map(self._put, (tokens, true_len, key_id, seq, budget, entry))
+    self._engine = prog.enqueue_program(self._state, self._engine, *args,
+                                        graphdef=self._s.graphdef, mesh=self._s.mesh)
+    self._stats.enqueues += 1
+    self._stats.prompts_prefilled += take
+
+  def _chunk(self) -> list[int]:
+    """One compiled chunk; returns the seqs of the groups it completed."""
+    self._engine, out = prog.chunk_program(
+        self._state, self._engine, self._key, self._put(np.asarray(bool(self._host))),
+        graphdef=self._s.graphdef, params=self._params, mesh=self._s.mesh,
+        chunk_steps=self._s.chunk_steps, max_admit=self._s.max_admit)
+    out = distributed.global_to_host(out)  # the one host read of the chunk
+    st = self._stats
+    st.chunks += 1
+    st.decode_steps += int(out.steps)
+    queued = np.asarray(out.queued)
+    self._free_entries = np.flatnonzero(queued == 0).tolist()  # every sample in a slot
+    owner = np.asarray(out.owner_KxN)
+    k_idx, n_idx = np.nonzero(owner >= 0)  # step-major: each sample's tokens in order
+    st.busy_slot_steps += k_idx.size
+    finished = []
+    for k, n in zip(k_idx.tolist(), n_idx.tolist()):
+      sq, g = divmod(int(owner[k, n]), self._g)
+      grp = self._groups[sq]
+      grp.tokens[g].append(int(out.tokens_KxN[k, n]))
+      grp.logprobs[g].append(float(out.logprobs_KxN[k, n]))
+      if out.done_KxN[k, n]:
+        grp.done += 1
+        if grp.done == self._g:
+          finished.append(sq)
+    return finished
+
+  def poll(self) -> list[FinishedGroup]:
+    finished: list[int] = []
+    while self._groups and not finished:
+      self._enqueue()
+      finished = self._chunk()
+    return [self._finish(sq) for sq in sorted(finished)]
+
+  def _finish(self, seq: int) -> FinishedGroup:
+    grp = self._groups.pop(seq)
+    r, pad, eos = self._params.max_new_tokens, self._params.pad_id, set(self._params.eos_ids)
+    ids = np.full((self._g, r), pad, np.int32)
+    logprobs = np.zeros((self._g, r), np.float32)
+    lengths = np.array([len(t) for t in grp.tokens], np.int32)
+    for g, (t, lp) in enumerate(zip(grp.tokens, grp.logprobs)):
+      ids[g, :len(t)], logprobs[g, :len(t)] = t, lp
+    return FinishedGroup(prompt_index=grp.prompt_index, prompt_ids=grp.prompt_ids,
+                         response_ids=ids, response_mask=np.arange(r)[None] < lengths[:, None],
+                         logprobs=logprobs, lengths=lengths,
+                         truncated=np.array([not (t and t[-1] in eos) for t in grp.tokens]))
+
+  def stats(self) -> dict[str, float]:
+    return self._stats.to_dict()
+
+  @property
+  def last_stats(self) -> RolloutStats:
+    return self._stats
+
+  def close(self) -> None:
+    self._engine = None
+    self._groups.clear()
+    self._host.clear()
 
 
 def _pow2_at_least(x: int, cap: int) -> int:
-  m = 1
-  while m < x:
-    m *= 2
-  return min(m, cap)
+  return min(1 << max(0, (x - 1).bit_length()), cap)
 
 
 class ContinuousSampler:
@@ -172,151 +241,90 @@ class ContinuousSampler:
 
   Args:
     graphdef: the model graph (`nnx.split(model)[0]`); the state is passed per call.
-    num_slots: concurrent decode rows N.
-    chunk_steps: most decode steps per compiled call (the host still syncs at every finish).
-    mesh: optional device mesh (parameters laid out with `SAMPLE_RULES`).
+    num_slots: concurrent decode rows N (with a mesh: a multiple of its batch shards).
+    chunk_steps: decode steps per compiled call; the host reads results once per chunk.
+    mesh: optional device mesh: parameters laid out with `SAMPLE_RULES`, slots split over the
+      batch axes.
     max_prefill_length: longest prompt accepted (prompts are padded to the smallest JetStream
       bucket, 16, 32, 64, ..., that holds the longest prompt of a call).
+    queue_prompts: prefilled prompts the device queue holds (0: enough to refill every slot
+      twice, at least 2).
+    max_admit: most samples placed into free slots per decode step (0: min(N, max(16, N/8))):
+      admission samples the first tokens of that many rows whenever a slot is free, so it is kept
+      well below N; the rest of the free slots fill on the next steps.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, *, num_slots: int = 8, chunk_steps: int = 32,
-               mesh: Mesh | None = None, max_prefill_length: int | None = None):
+               mesh: Mesh | None = None, max_prefill_length: int | None = None,
+               queue_prompts: int = 0, max_admit: int = 0):
     if num_slots < 1 or chunk_steps < 1:
       raise ValueError(f"num_slots ({num_slots}) and chunk_steps ({chunk_steps}) must be >= 1.")
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    if self.mesh is not None:
+      shards = math.prod(shd.batch_axes(self.mesh, shd.SAMPLE_RULES).values())
+      if num_slots % shards:
+        raise ValueError(
+            f"rollout.max_concurrent_decodes={num_slots} slots do not split over the mesh's "
+            f"{shards} batch shards; use a multiple of {shards}, e.g. "
+            f"{' or '.join(map(str, shd.nearest_multiples(num_slots, shards)))}.")
     self.graphdef = graphdef
     self.max_prefill_length = max_prefill_length or sl.PREFILL_BUCKETS[-1]
     self.num_slots = num_slots
     self.chunk_steps = chunk_steps
-    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self._queue_prompts = queue_prompts
+    self.max_admit = max_admit or min(num_slots, max(16, num_slots // 8))
     self.last_stats = RolloutStats()
+
+  def queue_prompts(self, num_samples: int) -> int:
+    """Device queue entries for a stream of `num_samples` per prompt."""
+    return self._queue_prompts or max(2, -(-2 * self.num_slots // num_samples))
+
+  def open_stream(self, state: nnx.State, *, params: SamplingParams, num_samples: int,
+                  key: jax.Array, prompt_length: int | None = None) -> ContinuousStream:
+    """A stream whose prompts hold at most `prompt_length` tokens (default max_prefill_length)."""
+    return ContinuousStream(self, state, params, num_samples, key,
+                            prompt_length or self.max_prefill_length)
 
   def generate(self, state: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array,
                key: jax.Array, params: SamplingParams, num_samples: int = 1,
                max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
-    """`Sampler.generate`'s contract (rows prompt-major, row = b*G + g) plus optional per-row
-    budgets `max_new_tokens` ([B*G], each <= params.max_new_tokens)."""
+    """`Sampler.generate`'s contract (rows prompt-major, row = b*G + g; host prompts, the same on
+    every process) plus optional per-row budgets `max_new_tokens` ([B*G], each <=
+    params.max_new_tokens). Row b*G + g is sample g of prompt index b."""
     ids_BxP, mask_BxP = np.asarray(prompt_ids), np.asarray(prompt_mask).astype(bool)
     if ids_BxP.ndim != 2 or mask_BxP.shape != ids_BxP.shape:
       raise ValueError(f"prompt_ids and prompt_mask must both be [B, P]; got {ids_BxP.shape} "
                        f"and {mask_BxP.shape}.")
-    g = num_samples
-    n = ids_BxP.shape[0] * g
-    if max_new_tokens is not None and len(max_new_tokens) != n:
-      raise ValueError(f"max_new_tokens has {len(max_new_tokens)} budgets for {n} rows.")
-    requests = [Request(ids_BxP[i // g][mask_BxP[i // g]].tolist(), prompt_index=i // g,
-                        sample_index=i % g,
-                        max_new_tokens=None if max_new_tokens is None else int(max_new_tokens[i]))
-                for i in range(n)]
-    batch = self.run(state, requests, key, params)
-    return batch.replace(prompt_ids=jnp.asarray(np.repeat(ids_BxP, g, axis=0), jnp.int32),
-                         prompt_mask=jnp.asarray(np.repeat(mask_BxP, g, axis=0)))
-
-  def run(self, state: nnx.State, requests: Sequence[Request], key: jax.Array,
-          params: SamplingParams) -> RolloutBatch:
-    """Generates every request; rows of the result follow `requests` (prompts left-padded)."""
-    r_max, n_slots = params.max_new_tokens, self.num_slots
-    budgets = [r_max if q.max_new_tokens is None else q.max_new_tokens for q in requests]
-    bad = [b for b in budgets if not 1 <= b <= r_max]
-    if bad:
-      raise ValueError(f"Per-request max_new_tokens must be in [1, {r_max}] "
-                       f"(SamplingParams.max_new_tokens); got {bad[:4]}.")
-    if any(len(q.prompt_ids) == 0 for q in requests):
-      raise ValueError("Every request needs at least one prompt token.")
-    longest = max((len(q.prompt_ids) for q in requests), default=1)
-    if longest > self.max_prefill_length:
-      raise ValueError(f"A prompt has {longest} tokens; max_prefill_length is "
-                       f"{self.max_prefill_length}.")
-    p = sl.prefill_bucket(longest)
-    if self.mesh is not None:
-      state = jax.device_put(state, shd.state_shardings(state, self.mesh, shd.SAMPLE_RULES))
-    # fp32 master weights of a bf16 model: cast once per rollout, not on every decode step.
-    state = cast_params(state, nnx.merge(self.graphdef, state).config.jnp_param_dtype)
-    static = dict(graphdef=self.graphdef, params=params, mesh=self.mesh)
-    slots = _init_program(state, graphdef=self.graphdef, num_slots=n_slots,
-                          cache_length=p + r_max)
-    is_typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-    base_key = jax.random.key_data(key) if is_typed else key  # raw uint32[2] keys pass as is
-    stats = RolloutStats(requests=len(requests), slot_of_request=[-1] * len(requests),
-                         num_slots=n_slots)
-    out_tokens = [[] for _ in requests]
-    out_logprobs = [[] for _ in requests]
-    waiting = collections.deque(range(len(requests)))
-    slot_req = [-1] * n_slots
-
-    while waiting or any(i >= 0 for i in slot_req):
-      free = [s for s in range(n_slots) if slot_req[s] < 0]
-      placed = list(zip(free, [waiting.popleft() for _ in range(min(len(free), len(waiting)))]))
-      first = None
-      if placed:
-        m = _pow2_at_least(len(placed), n_slots)
-        tokens = np.zeros((m, p), np.int32)
-        true_len = np.ones((m,), np.int32)
-        ids = np.zeros((m, 2), np.int32)
-        slot_ids = np.full((m,), n_slots, np.int32)  # out of range: padding rows are dropped
-        budget = np.ones((m,), np.int32)
-        for row, (s, i) in enumerate(placed):
-          q = requests[i]
-          tokens[row, :len(q.prompt_ids)] = q.prompt_ids
-          true_len[row], ids[row] = len(q.prompt_ids), (q.prompt_index, q.sample_index)
-          slot_ids[row], budget[row] = s, budgets[i]
-          slot_req[s] = i
-          stats.slot_of_request[i] = s
-        slots, first_tok, first_lp = _refill_program(state, slots, tokens, true_len, base_key,
-                                                     ids, slot_ids, budget, **static)
-        first = (first_tok, first_lp)
-        stats.refills += 1
-      slots, tok_KxN, lp_KxN, steps = _decode_chunk_program(
-          state, slots, chunk_steps=self.chunk_steps, **static)
-      # One host sync per chunk: the refill's first tokens, the chunk's tokens, and who is live.
-      first, tok_KxN, lp_KxN, steps, active_N = jax.device_get(
-          (first, tok_KxN, lp_KxN, steps, slots.active))
-      stats.chunks += 1
-      for row, (s, i) in enumerate(placed):
-        out_tokens[i].append(int(first[0][row]))
-        out_logprobs[i].append(float(first[1][row]))
-      emitted_KxN = tok_KxN >= 0
-      stats.decode_steps += int(steps)
-      stats.busy_slot_steps += int(emitted_KxN.sum())
-      for s, i in enumerate(slot_req):
-        if i < 0:
-          continue
-        keep = emitted_KxN[:, s]
-        out_tokens[i].extend(tok_KxN[keep, s].tolist())
-        out_logprobs[i].extend(lp_KxN[keep, s].tolist())
-        if not active_N[s]:
-          slot_req[s] = -1
-    self.last_stats = stats
-    return _to_batch(requests, out_tokens, out_logprobs, params)
+    b, g = ids_BxP.shape[0], num_samples
+    if max_new_tokens is not None and len(max_new_tokens) != b * g:
+      raise ValueError(f"max_new_tokens has {len(max_new_tokens)} budgets for {b * g} rows.")
+    prompts = [ids_BxP[i][mask_BxP[i]] for i in range(b)]
+    stream = self.open_stream(state, params=params, num_samples=g, key=key,
+                              prompt_length=max((p.size for p in prompts), default=1))
+    for i, p in enumerate(prompts):
+      stream.admit(p, prompt_index=i, max_new_tokens=None if max_new_tokens is None
+                   else max_new_tokens[i * g:(i + 1) * g])
+    groups: dict[int, FinishedGroup] = {}
+    while stream.num_pending:
+      groups.update((f.prompt_index, f) for f in stream.poll())
+    self.last_stats = stream.last_stats
+    stream.close()
+    rows = [groups[i] for i in range(b)]
+    cat = lambda name: jnp.asarray(np.concatenate([getattr(f, name) for f in rows]))
+    lengths = np.concatenate([f.lengths for f in rows])
+    return RolloutBatch(prompt_ids=jnp.asarray(np.repeat(ids_BxP, g, axis=0), jnp.int32),
+                        prompt_mask=jnp.asarray(np.repeat(mask_BxP, g, axis=0)),
+                        response_ids=cat("response_ids"), response_mask=cat("response_mask"),
+                        logprobs=cat("logprobs"), lengths=jnp.asarray(lengths),
+                        truncated=cat("truncated"),
+                        num_steps=jnp.asarray(int(lengths.max(initial=0)), jnp.int32))
 
 
 def make_rollout_fn(graphdef: nnx.GraphDef, *, mesh: Mesh | None = None, tokenizer=None,
                     max_concurrent_decodes: int = 64, max_prefill_length: int | None = None,
                     chunk_steps: int = 32):
-  """The rollout callable `rollout.factory` wants: `Sampler.generate`'s signature."""
+  """The rollout callable `rollout.factory` wants: `Sampler.generate`'s signature, host prompts
+  in and the same host-backed `RolloutBatch` out on every process."""
   del tokenizer  # stop tokens come with the call's SamplingParams.eos_ids
   return ContinuousSampler(graphdef, num_slots=max_concurrent_decodes, chunk_steps=chunk_steps,
                            mesh=mesh, max_prefill_length=max_prefill_length).generate
-
-
-def _to_batch(requests: Sequence[Request], tokens: list[list[int]], logprobs: list[list[float]],
-              params: SamplingParams) -> RolloutBatch:
-  """Host lists -> RolloutBatch (prompts left-padded with pad_id, responses right-padded)."""
-  n, r = len(requests), params.max_new_tokens
-  p = max(len(q.prompt_ids) for q in requests) if requests else 0
-  prompt_ids = np.full((n, p), params.pad_id, np.int32)
-  prompt_mask = np.zeros((n, p), bool)
-  response = np.full((n, r), params.pad_id, np.int32)
-  logprob = np.zeros((n, r), np.float32)
-  lengths = np.array([len(t) for t in tokens], np.int32)
-  eos = set(params.eos_ids)
-  for i, q in enumerate(requests):
-    k = len(q.prompt_ids)
-    prompt_ids[i, p - k:], prompt_mask[i, p - k:] = q.prompt_ids, True
-    response[i, :lengths[i]], logprob[i, :lengths[i]] = tokens[i], logprobs[i]
-  truncated = np.array([not (t and t[-1] in eos) for t in tokens], bool)
-  mask = np.arange(r)[None] < lengths[:, None]
-  return RolloutBatch(prompt_ids=jnp.asarray(prompt_ids), prompt_mask=jnp.asarray(prompt_mask),
-                      response_ids=jnp.asarray(response), response_mask=jnp.asarray(mask),
-                      logprobs=jnp.asarray(logprob), lengths=jnp.asarray(lengths),
-                      truncated=jnp.asarray(truncated),
-                      num_steps=jnp.asarray(int(lengths.max(initial=0)), jnp.int32))

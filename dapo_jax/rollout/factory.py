@@ -10,6 +10,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from dapo_jax import distributed
 from dapo_jax import sharding as shd
 from dapo_jax.rollout.sampler import RolloutBatch, Sampler
 from dapo_jax.rollout.sampling import SamplingParams
@@ -24,13 +25,19 @@ StreamOpener = Callable[..., RolloutStream]
 
 def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh: Mesh | None,
                  tokenizer) -> RolloutCallable:
-  """``config.rollout.engine``: "static" (one compiled while_loop per batch) or "continuous"."""
+  """``config.rollout.engine``: "continuous" (slots refilled inside the compiled loop) or
+  "static" (one compiled while_loop per batch).
+
+  Either takes host prompts that are the same on every process and returns the same host-backed
+  ``RolloutBatch`` on every process.
+  """
   engine = config.rollout.engine
   if engine == "static":
     sampler = Sampler(graphdef, mesh=mesh, rules=shd.SAMPLE_RULES)
-    return sampler.generate
+    return distributed.global_rollout(sampler.generate, mesh)
   if engine == "continuous":
     from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+    # Runs the same host schedule on every process and reads replicated outputs itself.
     return continuous.make_rollout_fn(graphdef, mesh=mesh, tokenizer=tokenizer,
                                       max_concurrent_decodes=config.rollout.max_concurrent_decodes,
                                       max_prefill_length=config.data.max_prompt_length)
@@ -59,10 +66,6 @@ def make_stream_opener(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef
     sampler = continuous.ContinuousSampler(
         graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
         max_prefill_length=config.data.max_prompt_length)
-    if hasattr(sampler, "open_stream"):
-      return sampler.open_stream
-    # TEMPORARY until the engine's in-loop stream lands (see rollout/run_stream.py).
-    from dapo_jax.rollout.run_stream import RunStream  # pylint: disable=g-import-not-at-top
-    return lambda state, **kw: RunStream(sampler, state, **kw)
+    return sampler.open_stream
   raise ValueError(f"config.rollout.engine={config.rollout.engine!r}; choose 'static' or "
                    "'continuous'.")

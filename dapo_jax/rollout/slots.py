@@ -4,7 +4,8 @@ The pure pieces behind the JetStream engine (rollout/jetstream_engine.py) and th
 continuous-batching driver (rollout/continuous.py); nothing here imports jetstream. Shapes: M
 prefilled prompts, P prompt slots, N decode slots, S cache slots, V vocab.
 
-* `prefill_rows`: right-padded prompts through `model.prefill`, first response token sampled.
+* `prefill_hidden`: right-padded prompts through `model.prefill` (cache + last hidden state).
+* `first_tokens` / `prefill_rows`: the first response token sampled from a prefilled row.
 * `insert_rows`: prefixes copied into free slots of a `DecodeState`.
 * `decode_step`: every slot's pending token through `model.decode_step`, the next one sampled.
 
@@ -56,9 +57,14 @@ class DecodeState:
   key: jax.Array  # [N, 2] uint32
 
 
-def prefill_rows(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M: jax.Array,
-                 keys_Mx2: jax.Array, sampling: SamplingParams) -> Prefix:
-  """Prefills right-padded prompts; ids < 0 (JetStream's BOS sentinel) are masked out."""
+def prefill_hidden(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M: jax.Array
+                   ) -> tuple[KVCache, jax.Array, jax.Array]:
+  """Prefills right-padded prompts; ids < 0 (JetStream's BOS sentinel) are masked out.
+
+  Returns the P-slot cache (index = the prompt's real tokens, so decode overwrites the padding),
+  the hidden state [M, D] at each prompt's last real token and the position [M] of the first
+  response token.
+  """
   p = tokens_MxP.shape[1]
   used_M = jnp.clip(true_length_M, 0, p)  # JetStream keeps true_length past a truncation
   real_MxP = (jnp.arange(p)[None] < used_M[:, None]) & (tokens_MxP >= 0)
@@ -66,13 +72,23 @@ def prefill_rows(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M: 
   pos_MxP = jnp.maximum(jnp.cumsum(real_MxP, axis=-1, dtype=jnp.int32) - 1, 0)
   h_MxPxD, cache = model.prefill(ids_MxP, pos_MxP, real_MxP)
   last_M = jnp.maximum(used_M - 1, 0)
-  h_Mx1xD = jnp.take_along_axis(h_MxPxD, last_M[:, None, None], axis=1)
-  position_M = real_MxP.sum(-1, dtype=jnp.int32)
-  token_M, logprob_M = sample_rows(model.logits_from_hidden(h_Mx1xD)[:, 0], keys_Mx2,
+  h_MxD = jnp.take_along_axis(h_MxPxD, last_M[:, None, None], axis=1)[:, 0]
+  return cache.replace(index=used_M), h_MxD, real_MxP.sum(-1, dtype=jnp.int32)
+
+
+def first_tokens(model: Qwen2ForCausalLM, cache: KVCache, h_MxD: jax.Array, position_M: jax.Array,
+                 keys_Mx2: jax.Array, sampling: SamplingParams) -> Prefix:
+  """Samples each prefilled row's first response token (at `position_M`, key `keys_Mx2`)."""
+  token_M, logprob_M = sample_rows(model.logits_from_hidden(h_MxD[:, None])[:, 0], keys_Mx2,
                                    position_M, sampling)
-  # Decode continues right after the prompt, overwriting the (invalid) padding slots.
-  return Prefix(cache=cache.replace(index=used_M), token=token_M, logprob=logprob_M,
-                position=position_M, key=keys_Mx2)
+  return Prefix(cache=cache, token=token_M, logprob=logprob_M, position=position_M, key=keys_Mx2)
+
+
+def prefill_rows(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M: jax.Array,
+                 keys_Mx2: jax.Array, sampling: SamplingParams) -> Prefix:
+  """Prefills right-padded prompts and samples their first response token."""
+  cache, h_MxD, position_M = prefill_hidden(model, tokens_MxP, true_length_M)
+  return first_tokens(model, cache, h_MxD, position_M, keys_Mx2, sampling)
 
 
 def insert_rows(prefix: Prefix, state: DecodeState, slots_M: jax.Array) -> DecodeState:

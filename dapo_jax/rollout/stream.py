@@ -10,9 +10,17 @@ so the sampling loop does not care which engine decodes:
         ...                                    # score it, keep or drop it
     stream.close()
 
-Randomness: sample g of prompt i draws from ``fold_in(fold_in(key, i), g)`` (``key`` given when
-the stream is opened), whatever slot or call it lands in, so results do not depend on the
-schedule or on how many prompts are in flight.
+Implemented by `rollout.continuous.ContinuousSampler.open_stream` (prompts are prefilled once
+into a device queue and their samples pulled into free decode slots inside the compiled loop; the
+host reads results once per chunk of decode steps). Its `admit` also takes optional per-sample
+budgets, `max_new_tokens=[G ints]`. Also by `rollout.static_stream.StaticStream` over the static
+sampler (whole calls of ``prompts_per_call`` prompts).
+
+Randomness: on the continuous engine sample g of prompt i draws from
+``fold_in(fold_in(key, i), g)`` (``key`` given when the stream is opened), whatever slot or call it
+lands in, so results do not depend on the schedule or on how many prompts are in flight. The
+static stream keeps the batch-level loop's call layout instead: prompt i decodes in the row of the
+call the batch loop would give it, with that call's key, so both loops sample the same tokens.
 """
 
 from __future__ import annotations

@@ -1,0 +1,222 @@
+"""The continuous-batching engine's compiled programs: a queue of prefilled prompts and N slots.
+
+Shapes: Q queued prompts, G samples per prompt, P prompt slots, N decode slots, S = P + R cache
+slots, K decode steps per chunk, A most slots admitted per step.
+
+* `init_program`: an empty queue and N empty slots (slots laid out over the batch axes).
+* `enqueue_program`: prefills M prompts ONCE each into free queue entries (their cache and the
+  hidden state of their last token); their G samples wait there for slots.
+* `chunk_program`: a `lax.while_loop` of up to K steps. Each step first admits queued samples
+  into the free slots (first come, first served: the prompt's cache row is copied into each of
+  its samples' slots and the sample's first token drawn from the prompt's hidden state), then
+  runs one `slots.decode_step` over all N slots (the static sampler's `model.decode_step`).
+  Every live slot emits the token it feeds; a slot frees itself after its stop token or budget.
+  The loop ends after K steps, when nothing is left to decode, or when the queue runs dry while
+  a slot is free and the host has prompts to enqueue. Its outputs are replicated, so the host
+  reads them (once per chunk) on every process.
+
+The host driver is `rollout/continuous.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dapo_jax import sharding as shd
+from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.rollout import slots as sl
+from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
+from dapo_jax.tracing import TraceCounter
+
+TRACES = TraceCounter()  # per program: tests assert no retrace
+EMPTY_SEQ = jnp.iinfo(jnp.int32).max  # `seq` of a free queue entry (sorts last)
+SMALL_ADMIT = 4  # admission variant for steps with few free slots
+
+
+@flax.struct.dataclass
+class Queue:
+  """Q prefilled prompts whose samples wait for slots."""
+  cache: KVCache  # [Q, P]
+  hidden: jax.Array  # [Q, D] hidden state at the prompt's last token
+  position: jax.Array  # [Q] int32 prompt tokens = position of the first response token
+  key_id: jax.Array  # [Q] int32 prompt index (first fold of the request keys)
+  seq: jax.Array  # [Q] int32 admission order; EMPTY_SEQ when free
+  budget: jax.Array  # [Q, G] int32 per-sample response budgets
+  placed: jax.Array  # [Q] int32 samples already in slots (G: all placed, or free)
+
+
+@flax.struct.dataclass
+class Slots:
+  """N decode slots and who holds them."""
+  decode: sl.DecodeState
+  live: jax.Array  # [N] bool: holds a sample still generating
+  owner: jax.Array  # [N] int32 seq * G + sample of the holder
+  count: jax.Array  # [N] int32 tokens emitted
+  budget: jax.Array  # [N] int32
+
+
+@flax.struct.dataclass
+class Engine:
+  queue: Queue
+  slots: Slots
+
+
+@flax.struct.dataclass
+class ChunkOut:
+  """What one chunk emitted, replicated: [K, N] with owner -1 where a slot emitted nothing."""
+  tokens_KxN: jax.Array
+  logprobs_KxN: jax.Array
+  owner_KxN: jax.Array
+  done_KxN: jax.Array  # the token ended its sample
+  steps: jax.Array  # [] decode steps run
+  queued: jax.Array  # [Q] samples of each entry not yet in a slot (0: entry free)
+
+
+_STATIC = ("graphdef", "params", "mesh")
+
+
+def _slot_rows(x: jax.Array) -> jax.Array:
+  return shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+  return shd.constrain(x, (None,) * x.ndim)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "queue_size",
+                                             "num_samples", "prompt_length", "cache_length",
+                                             "mesh"))
+def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_samples: int,
+                 prompt_length: int, cache_length: int, mesh: Mesh | None) -> Engine:
+  TRACES.record("init")
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    model = nnx.merge(graphdef, state)
+    decode = sl.empty_decode_state(model, num_slots, cache_length)
+    kv = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None))
+    decode = decode.replace(cache=decode.cache.replace(
+        k=tuple(map(kv, decode.cache.k)), v=tuple(map(kv, decode.cache.v)),
+        valid=_slot_rows(decode.cache.valid)))
+    zn = jnp.zeros((num_slots,), jnp.int32)
+    slots = Slots(decode=decode, live=_slot_rows(zn.astype(bool)), owner=_slot_rows(zn - 1),
+                  count=_slot_rows(zn), budget=_slot_rows(zn))
+    zq = jnp.zeros((queue_size,), jnp.int32)
+    queue = Queue(cache=model.init_cache(queue_size, prompt_length),
+                  hidden=jnp.zeros((queue_size, model.config.hidden_size),
+                                   model.config.jnp_dtype),
+                  position=zq, key_id=zq, seq=zq + EMPTY_SEQ,
+                  budget=jnp.zeros((queue_size, num_samples), jnp.int32), placed=zq + num_samples)
+  return Engine(queue=queue, slots=slots)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("engine",))
+def enqueue_program(state, engine: Engine, tokens_MxP, true_length_M, key_id_M, seq_M,
+                    budget_MxG, entry_M, *, graphdef, mesh: Mesh | None) -> Engine:
+  """Prefills M right-padded prompts into queue entries `entry_M` (Q = padding, dropped)."""
+  TRACES.record("enqueue")
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    cache, h_MxD, position_M = sl.prefill_hidden(nnx.merge(graphdef, state), tokens_MxP,
+                                                 true_length_M)
+  q = engine.queue
+  put = lambda dst, src: dst.at[entry_M].set(src.astype(dst.dtype), mode="drop")
+  queue = Queue(cache=q.cache.insert(cache, entry_M), hidden=put(q.hidden, h_MxD),
+                position=put(q.position, position_M), key_id=put(q.key_id, key_id_M),
+                seq=put(q.seq, seq_M), budget=put(q.budget, budget_MxG),
+                placed=put(q.placed, jnp.zeros_like(entry_M)))
+  return engine.replace(queue=queue)
+
+
+def _admit(model, engine: Engine, base_key_data, params: SamplingParams, max_admit: int
+           ) -> Engine:
+  """Places up to `max_admit` queued samples, oldest prompt first, into the free slots."""
+  q, s = engine.queue, engine.slots
+  g, n = q.budget.shape[1], s.live.shape[0]
+  free_N = ~s.live
+  order_Q = jnp.argsort(q.seq)  # first come, first served
+  left_Q = (g - q.placed)[order_Q]
+  end_Q = jnp.cumsum(left_Q)
+  r_A = jnp.arange(max_admit)
+  ok_A = r_A < jnp.minimum(end_Q[-1], free_N.sum())
+  # The r-th free slot takes the r-th waiting sample.
+  slot_A = jnp.where(ok_A, jnp.nonzero(free_N, size=max_admit, fill_value=n)[0], n)
+  j_A = jnp.minimum(jnp.searchsorted(end_Q, r_A, side="right"), end_Q.shape[0] - 1)
+  entry_A = order_Q[j_A]
+  sample_A = q.placed[entry_A] + r_A - (end_Q[j_A] - left_Q[j_A])
+  keys_Ax2 = request_keys(base_key_data, jnp.stack([q.key_id[entry_A], sample_A], -1))
+  rows = lambda x: x[entry_A]
+  cache = KVCache(k=tuple(map(rows, q.cache.k)), v=tuple(map(rows, q.cache.v)),
+                  valid=rows(q.cache.valid), index=rows(q.position))
+  prefix = sl.first_tokens(model, cache, rows(q.hidden), rows(q.position), keys_Ax2, params)
+  put = lambda dst, src: dst.at[slot_A].set(src, mode="drop")
+  slots = Slots(decode=sl.insert_rows(prefix, s.decode, slot_A), live=put(s.live, ok_A),
+                owner=put(s.owner, q.seq[entry_A] * g + sample_A),
+                count=put(s.count, jnp.zeros_like(sample_A)),
+                budget=put(s.budget, q.budget[entry_A, jnp.minimum(sample_A, g - 1)]))
+  queue = q.replace(placed=q.placed.at[entry_A].add(ok_A.astype(jnp.int32)))
+  return Engine(queue=queue, slots=slots)
+
+
+@flax.struct.dataclass
+class _Carry:
+  step: jax.Array
+  engine: Engine
+  out: ChunkOut
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("chunk_steps", "max_admit"),
+                   donate_argnames=("engine",))
+def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphdef,
+                  params: SamplingParams, mesh: Mesh | None, chunk_steps: int, max_admit: int
+                  ) -> tuple[Engine, ChunkOut]:
+  """Up to `chunk_steps` steps of admit + decode; see the module docstring for when it stops."""
+  TRACES.record("chunk")
+  n, g = engine.slots.live.shape[0], engine.queue.budget.shape[1]
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    model = nnx.merge(graphdef, state)
+
+    def queued(e: Engine) -> jax.Array:
+      return (g - e.queue.placed).sum()
+
+    def cond(c: _Carry) -> jax.Array:
+      waiting, live = queued(c.engine), c.engine.slots.live
+      starved = (waiting == 0) & ~jnp.all(live) & host_has_more
+      return (c.step < chunk_steps) & (jnp.any(live) | (waiting > 0)) & ~starved
+
+    def body(c: _Carry) -> _Carry:
+      e = c.engine
+      # Admission costs what it may place (first-token logits, cache rows copied), so the
+      # usual step, with a slot or two free, takes a small variant.
+      can = jnp.minimum((~e.slots.live).sum(), queued(e))
+      sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
+      branches = [lambda e: e] + [
+          functools.partial(_admit, model, base_key_data=base_key_data, params=params,
+                            max_admit=a) for a in sizes]
+      e = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
+                         branches, e)
+      s = e.slots
+      decode, fed_N, lp_N, _ = sl.decode_step(model, s.decode, params)
+      count_N = s.count + s.live
+      done_N = s.live & (is_stop(fed_N, params.eos_ids) | (count_N >= s.budget))
+      put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
+      o = c.out
+      out = o.replace(tokens_KxN=put(o.tokens_KxN, fed_N),
+                      logprobs_KxN=put(o.logprobs_KxN, jnp.where(s.live, lp_N, 0.0)),
+                      owner_KxN=put(o.owner_KxN, jnp.where(s.live, s.owner, -1)),
+                      done_KxN=put(o.done_KxN, done_N))
+      slots = s.replace(decode=decode, live=s.live & ~done_N, count=count_N)
+      return _Carry(step=c.step + 1, engine=e.replace(slots=slots), out=out)
+
+    full = lambda v, dtype: jnp.full((chunk_steps, n), v, dtype)
+    out = ChunkOut(tokens_KxN=full(0, jnp.int32), logprobs_KxN=full(0.0, jnp.float32),
+                   owner_KxN=full(-1, jnp.int32), done_KxN=full(False, bool),
+                   steps=jnp.zeros((), jnp.int32), queued=engine.queue.placed)
+    last = jax.lax.while_loop(cond, body, _Carry(step=jnp.zeros((), jnp.int32), engine=engine,
+                                                 out=out))
+    out = last.out.replace(steps=last.step, queued=g - last.engine.queue.placed)
+    out = jax.tree.map(_replicated, out)
+  return last.engine, out
