@@ -369,7 +369,8 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
 def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:
   config = fv.config
   if fv.layers:
-    config.model.overrides.num_hidden_layers = fv.layers
+    with config.model.overrides.unlocked():  # the parsed config is locked
+      config.model.overrides.num_hidden_layers = fv.layers
   return config
 
 

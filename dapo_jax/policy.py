@@ -72,8 +72,7 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
                      "--workdir=<a dapo-train workdir>.")
   model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
-                          param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-                          attention_impl=m.attention_impl)
+                          **run_setup.model_runtime(config))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return Policy(graphdef, params, rest, tokenizer, mesh)
 

@@ -72,21 +72,26 @@ def build_tokenizer(config: ml_collections.ConfigDict):
   return load_tokenizer(path or None, fallback="qwen2.5")
 
 
-def _runtime(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def model_runtime(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The run-time `Qwen2Config` fields of ``config.model`` (not part of a HF checkpoint).
+
+  A workdir config saved before ``model.scan_layers`` existed is the unscanned layout its
+  checkpoints were written in.
+  """
   m = config.model
   return dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-              attention_impl=m.attention_impl)
+              attention_impl=m.attention_impl, scan_layers=bool(m.get("scan_layers", False)))
 
 
 def model_config(config: ml_collections.ConfigDict, tokenizer) -> Qwen2Config:
   """The architecture: the checkpoint's config.json, else the preset plus overrides."""
   m = config.model
   if m.checkpoint:
-    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **_runtime(config))
+    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(config))
   overrides = dict(m.overrides.to_dict()) if m.overrides else {}
   overrides.setdefault("vocab_size", max(tokenizer.vocab_size, get_preset(m.preset).vocab_size)
                        if config.tokenizer.kind != "char" else tokenizer.vocab_size)
-  cfg = get_preset(m.preset, **_runtime(config), **overrides)
+  cfg = get_preset(m.preset, **model_runtime(config), **overrides)
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{tokenizer.vocab_size}; set config.model.overrides.vocab_size.")
@@ -96,7 +101,7 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> Qwen2Config:
 def build_model(config: ml_collections.ConfigDict, tokenizer, mesh: Mesh | None):
   if config.model.checkpoint:
     return load_pretrained(os.path.expanduser(config.model.checkpoint), mesh=mesh,
-                           **_runtime(config))
+                           **model_runtime(config))
   return create_model(model_config(config, tokenizer), seed=config.seed, mesh=mesh)
 
 

@@ -41,6 +41,9 @@ TRAIN_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # The stacked layer axis of a scanned model (config.scan_layers): every device holds every
+    # layer's shard, as in the unrolled model; scan slices one layer per step.
+    ("layers", None),
 )
 
 # Sampling: no FSDP gather on every decode step, so parameters are replicated across the data

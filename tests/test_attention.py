@@ -149,11 +149,13 @@ def test_model_forward_with_splash_matches_xla():
   np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-4)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("same_slot", [True, False], ids=["shared_slot", "per_row_slots"])
-def test_kv_cache_decode_step_never_copies_the_cache(same_slot):
-  """model.decode_step, one token per row: no transpose or copy of a cache-sized array, whether
-  all rows write one slot (static sampler) or each its own (JetStream slots)."""
-  model = create_model(get_preset("test"), seed=0)
+def test_kv_cache_decode_step_never_copies_the_cache(same_slot, scan):
+  """model.decode_step, one token per row: no transpose or copy of a cache layer-sized array,
+  whether all rows write one slot (static sampler) or each its own (JetStream slots), and
+  whether the layers are unrolled or scanned over one stacked cache."""
+  model = create_model(get_preset("test", scan_layers=scan), seed=0)
   graphdef, state = nnx.split(model)
   n, s = 8, 96
   cache = model.init_cache(n, s).replace(index=jnp.arange(n, dtype=jnp.int32) * 5)

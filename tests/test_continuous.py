@@ -136,3 +136,31 @@ def test_bad_budget_raises(split_model):
     stream.admit([5, 6], prompt_index=0, max_new_tokens=[1, R + 1])
   with pytest.raises(ValueError, match="at most 16"):
     stream.admit(list(range(1, 20)), prompt_index=1)
+
+
+def test_scanned_model_decodes_the_same_rows(split_model, reference):
+  """A scanned model (`scan_layers`: one stacked cache, vmapped insert / repeat / grow): the
+  continuous sampler's rows (greedy, with budgets) and the static sampler's G sampled rows are
+  the unrolled model's (same seed, same weights)."""
+  ref_tokens, ref_logprobs, eos = reference
+  graphdef, state = nnx.split(create_model(get_preset("test").replace(scan_layers=True), seed=0))
+  ids, mask = _prompts()
+  params = SamplingParams(temperature=0.0, max_new_tokens=R, eos_ids=(eos,), pad_id=0)
+  batch = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=8,
+                                       max_prefill_length=16).generate(
+      state, ids, mask, jax.random.key(0), params, num_samples=G, max_new_tokens=BUDGETS)
+  lengths = np.asarray(batch.lengths)
+  for i, budget in enumerate(BUDGETS):
+    row = ref_tokens[i, :budget].tolist()
+    expected = row[:row.index(eos) + 1] if eos in row else row
+    assert np.asarray(batch.response_ids[i, :lengths[i]]).tolist() == expected, i
+    np.testing.assert_allclose(batch.logprobs[i, :lengths[i]], ref_logprobs[i, :len(expected)],
+                               atol=1e-5)
+  sampled = SamplingParams(temperature=1.0, max_new_tokens=R, pad_id=0)
+  ids, mask = jnp.asarray(ids[:3]), jnp.asarray(mask[:3])
+  scanned = Sampler(graphdef).generate(state, ids, mask, jax.random.key(2), sampled,
+                                       num_samples=2)
+  unrolled = Sampler(split_model[0]).generate(split_model[1], ids, mask, jax.random.key(2),
+                                              sampled, num_samples=2)
+  np.testing.assert_array_equal(scanned.response_ids, unrolled.response_ids)
+  np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5)

@@ -25,12 +25,17 @@ def ckpt(request, tmp_path_factory):
   return hf_fixtures.write_tiny_qwen2(d, tie=request.param, seed=int(request.param))
 
 
+# Both decoder layouts: a Python loop over layers, and one stacked layer under jax.lax.scan.
+layouts = pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+
+
 def _ids(b, t, seed=0, vocab=128):
   return np.random.RandomState(seed).randint(0, vocab, (b, t)).astype(np.int32)
 
 
-def test_full_forward_matches_transformers(ckpt):
-  model = dapo_jax.load_pretrained(ckpt)
+@layouts
+def test_full_forward_matches_transformers(ckpt, scan):
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=scan)
   ids = _ids(3, 17)
   ours = np.asarray(model(jnp.asarray(ids)))
   ref = hf_fixtures.hf_logits(ckpt, ids)
@@ -66,11 +71,13 @@ def _decode(model, cache, ids_NxT, pos_NxT, same_slot):
   return np.stack(got, axis=1), cache
 
 
-def test_prefill_then_kv_cache_decode_matches_transformers(ckpt):
+@layouts
+def test_prefill_then_kv_cache_decode_matches_transformers(ckpt, scan):
   """A left-padded batch at one shared slot (the static sampler's write: one
   dynamic_update_slice per layer) and a right-padded one whose rows sit at different slots
-  (JetStream's decode slots: a per-row scatter) both reproduce the full HF forward."""
-  model = dapo_jax.load_pretrained(ckpt)
+  (JetStream's decode slots: a per-row scatter) both reproduce the full HF forward; the scanned
+  model's cache is one stacked [L, ...] array per k and v."""
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=scan)
   ids = _ids(2, 14, seed=2)
   mask = np.ones_like(ids)
   mask[1, :3] = 0
@@ -83,6 +90,7 @@ def test_prefill_then_kv_cache_decode_matches_transformers(ckpt):
                            jnp.asarray(mask[:, :prompt_len]))
   assert cache.k[0].shape == (2, 2, 16, prompt_len)  # [N, K, E, S]
   assert cache.v[0].shape == (2, 2, prompt_len, 16)  # [N, K, S, E]
+  assert cache.stacked == scan
   got, cache = _decode(model, cache.grow(14 - prompt_len), ids[:, prompt_len:],
                        pos[:, prompt_len:], same_slot=True)
   got = np.concatenate([np.asarray(model.logits_from_hidden(h)), got], axis=1)
@@ -119,6 +127,23 @@ def test_export_reload_with_transformers(ckpt, tmp_path):
   # And our own loader reads the sharded export back.
   again = dapo_jax.load_pretrained(out)
   assert np.abs(np.asarray(again(jnp.asarray(ids))) - ref).max() < TOL
+
+
+def test_scanned_model_exports_the_same_safetensors(ckpt, tmp_path):
+  """The stacked layout is ours only: its HF export is byte for byte the unscanned one's, and
+  each layout reads the other's export."""
+  loop = dapo_jax.load_pretrained(ckpt)
+  scanned = dapo_jax.load_pretrained(ckpt, scan_layers=True)
+  a = hf_io.save_pretrained(loop, tmp_path / "loop")
+  b = hf_io.save_pretrained(scanned, tmp_path / "scan")
+  names = sorted(os.listdir(a))
+  assert names == sorted(os.listdir(b))
+  for name in names:
+    with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
+      assert fa.read() == fb.read(), name
+  ids = jnp.asarray(_ids(2, 9, seed=6))
+  np.testing.assert_array_equal(np.asarray(dapo_jax.load_pretrained(b)(ids)),
+                                np.asarray(loop(ids)))
 
 
 def test_bf16_load_runs_close_to_fp32(ckpt):
@@ -184,19 +209,26 @@ def test_misshaped_tensor_is_named(ckpt, tmp_path):
     dapo_jax.load_pretrained(tmp_path / "s")
 
 
-def test_load_straight_into_sharded_layout(ckpt):
+@layouts
+def test_load_straight_into_sharded_layout(ckpt, scan):
   from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   mesh = shd.make_mesh([("data", 1), ("fsdp", 4), ("tensor", 2)])
-  model = dapo_jax.load_pretrained(ckpt, mesh=mesh)
-  up = model.layers[0].mlp.up_proj.kernel.value  # [64, 96]: fsdp x tensor
-  assert up.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-  assert up.addressable_shards[0].data.shape == (16, 48)
+  model = dapo_jax.load_pretrained(ckpt, mesh=mesh, scan_layers=scan)
+  if scan:  # [2 layers, 64, 96]: the layer axis unsharded
+    up = model.layers.mlp.up_proj.kernel.value
+    assert up.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape == (2, 16, 48)
+  else:  # [64, 96]: fsdp x tensor
+    up = model.layers[0].mlp.up_proj.kernel.value
+    assert up.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape == (16, 48)
   ids = _ids(2, 9, seed=5)
   ref = hf_fixtures.hf_logits(ckpt, ids)
   assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() < TOL
 
 
-def test_load_holds_at_most_one_full_tensor_on_host(ckpt, monkeypatch):
+@layouts
+def test_load_holds_at_most_one_full_tensor_on_host(ckpt, scan, monkeypatch):
   """Each tensor read from disk is released before the next one is read."""
   import weakref  # pylint: disable=g-import-not-at-top
   alive, peak = [0], [0]
@@ -210,5 +242,5 @@ def test_load_holds_at_most_one_full_tensor_on_host(ckpt, monkeypatch):
     return arr
 
   monkeypatch.setattr(hf_io._Reader, "get", tracked)
-  dapo_jax.load_pretrained(ckpt)
+  dapo_jax.load_pretrained(ckpt, scan_layers=scan)
   assert peak[0] == 1

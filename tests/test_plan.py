@@ -28,6 +28,15 @@ def _scalars_bytes(n=3):
   return 4 * n  # int32 update step, skipped-update count and rollout step
 
 
+def test_layers_flag_on_a_config_without_overrides():
+  """--layers adds num_hidden_layers to an empty (locked) model.overrides, as the 32B's is."""
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "cpu:8",
+      "--layers", "4"]))
+  cfg = plan_lib.plan_model_config(config)
+  assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.scan_layers) == (4, 5120, True)
+
+
 def test_cpu_plan_matches_the_trainers_compiled_step():
   config = plan_lib.configure(_tiny_args("--layers", "2"))
   assert plan_lib.plan_model_config(config).num_hidden_layers == 2

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save, save_file
 
@@ -55,6 +55,16 @@ def hf_name(path: tuple[Any, ...]) -> str:
   leaf = parts[-1]
   parts[-1] = "bias" if leaf == "bias" else "weight"
   return "model." + ".".join(parts)
+
+
+def layer_paths(path: tuple[Any, ...], var: nnx.Variable, config: Qwen2Config
+                ) -> list[tuple[tuple[Any, ...], int | None]]:
+  """The per-layer parameter paths (as the unscanned model names them) a parameter holds, each
+  with its index on the stacked axis: a scanned model's ``('layers', 'mlp', ...)`` [L, ...] is
+  ``('layers', l, 'mlp', ...)`` for each l; any other parameter is itself (index None)."""
+  if config.scan_layers and path[0] == "layers":
+    return [(("layers", i) + tuple(path[1:]), i) for i in range(var.shape[0])]
+  return [(path, None)]
 
 
 def _to_ours(path: tuple[Any, ...], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -197,31 +207,44 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mes
   reader = _Reader(_weight_map(path))
   flat = nnx.to_flat_state(abstract_state)
   flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
-  loaded = []
+  loaded, names = [], set()
+
+  def read(p, shape, dtype, sharding):
+    """One HF tensor as parameter `p` of `shape`, placed in `sharding` (None: default device)."""
+    name = hf_name(p)
+    if name not in reader.weight_map:
+      raise CheckpointError(f"Tensor {name!r} (parameter {'/'.join(map(str, p))}) is missing "
+                            f"from the checkpoint at {path}.")
+    names.add(name)
+    raw = reader.get(name)
+    w = _to_ours(p, raw, shape) if raw.size == math.prod(shape) else raw
+    if tuple(w.shape) != shape:
+      raise CheckpointError(f"Tensor {name!r} has shape {tuple(raw.shape)} but config.json "
+                            f"implies {shape} (after layout conversion) for "
+                            f"{'/'.join(map(str, p))}.")
+    w = w.astype(dtype)
+    if sharding is None:
+      return jnp.asarray(w)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: w[idx])
+
   try:
     for p, var in flat:
-      name = hf_name(p)
-      if name not in reader.weight_map:
-        raise CheckpointError(f"Tensor {name!r} (parameter {'/'.join(map(str, p))}) is missing "
-                              f"from the checkpoint at {path}.")
-      shape = tuple(var.value.shape)
-      raw = reader.get(name)
-      w = _to_ours(p, raw, shape) if raw.size == math.prod(shape) else raw
-      if tuple(w.shape) != shape:
-        raise CheckpointError(f"Tensor {name!r} has shape {tuple(raw.shape)} but config.json "
-                              f"implies {shape} (after layout conversion) for "
-                              f"{'/'.join(map(str, p))}.")
-      w = w.astype(var.value.dtype)
-      if mesh is not None:
-        sharding: NamedSharding = flat_shardings[p].value
-        arr = jax.make_array_from_callback(shape, sharding, lambda idx, w=w: w[idx])
-      else:
-        arr = jnp.asarray(w)
+      shape, dtype = tuple(var.value.shape), var.value.dtype
+      sharding: NamedSharding | None = flat_shardings[p].value if mesh is not None else None
+      per_layer = layer_paths(p, var, config)
+      if per_layer[0][1] is None:
+        arr = read(p, shape, dtype, sharding)
+      else:  # a stacked parameter: each layer in its own layout, then stacked on the devices
+        layer_sharding = (None if sharding is None else
+                          NamedSharding(mesh, PartitionSpec(*sharding.spec[1:])))
+        layers = [read(lp, shape[1:], dtype, layer_sharding) for lp, _ in per_layer]
+        arr = (jnp.stack(layers) if sharding is None else
+               jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers))
+        del layers
       loaded.append((p, var.replace(arr)))
-      del raw, w
   finally:
     reader.close()
-  unused = set(reader.weight_map) - {hf_name(p) for p, _ in flat}
+  unused = set(reader.weight_map) - names
   unused = {n for n in unused if "rotary_emb" not in n and n != "lm_head.weight"}
   if unused:
     _log.warning("Ignored %d checkpoint tensors not used by Qwen2ForCausalLM: %s", len(unused),
@@ -240,10 +263,11 @@ def iter_hf_tensors(model: Qwen2ForCausalLM, dtype: str | None = None
                     ) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, host array) pairs, one tensor gathered at a time."""
   for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    w = _host_array(var.value)
-    if dtype is not None:
-      w = w.astype(jnp.dtype(dtype))
-    yield hf_name(p), _to_hf(p, w)
+    for lp, i in layer_paths(p, var, model.config):
+      w = _host_array(var.value if i is None else var.value[i])
+      if dtype is not None:
+        w = w.astype(jnp.dtype(dtype))
+      yield hf_name(lp), _to_hf(lp, w)
 
 
 def save_pretrained(model: Qwen2ForCausalLM, out_dir: epath.PathLike, *,

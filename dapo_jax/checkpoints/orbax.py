@@ -56,6 +56,10 @@ class CorruptCheckpointError(RuntimeError):
   """A checkpoint (or every checkpoint) fails to read back; the message names steps and causes."""
 
 
+class CheckpointLayoutError(ValueError):
+  """The checkpoint holds the other decoder layout (``config.model.scan_layers``)."""
+
+
 class Restored(NamedTuple):
   """What `TrainCheckpointer.restore` returns; ``meta["step"]`` is the restored step."""
   params: Any
@@ -201,6 +205,45 @@ def _read_step(directory: epath.Path, step: int, abstract_params: Any,
     return dict(handler.restore(step_dir, args=ocp.args.Composite(**args)))
   finally:
     handler.close()
+
+
+def _param_paths(tree: Any) -> set[tuple[str, ...]]:
+  """Each leaf's key path as strings, without the trailing ``value`` of an nnx Variable."""
+  def name(k):
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+  out = set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = tuple(name(k) for k in path)
+    out.add(names[:-1] if names[-1:] == ("value",) else names)
+  return out
+
+
+def _stacked_layers(paths: set[tuple[str, ...]]) -> bool | None:
+  """True for one stacked ``layers`` module (scanned), False for ``layers/<i>``, None: neither."""
+  under = [p[1] for p in paths if len(p) > 1 and p[0] == "layers"]
+  return None if not under else not under[0].isdigit()
+
+
+def check_layer_layout(directory: epath.Path, step: int, abstract_params: Any) -> None:
+  """Raises `CheckpointLayoutError` when ``step``'s params are the other decoder layout than
+  ``abstract_params`` (stacked for ``config.model.scan_layers`` vs one entry per layer), instead
+  of the restore failing on every step as if they were all damaged. Unreadable metadata is left
+  to the restore's own checks."""
+  try:
+    handler = ocp.StandardCheckpointHandler()
+    saved = _param_paths(handler.metadata(epath.Path(directory) / str(step) / "params"))
+  except Exception:  # pylint: disable=broad-except
+    return
+  have, want = _stacked_layers(saved), _stacked_layers(_param_paths(abstract_params))
+  if have is None or want is None or have == want:
+    return
+  flag = "true" if have else "false"
+  raise CheckpointLayoutError(
+      f"Checkpoint step {step} in {directory} holds the decoder layers "
+      f"{'stacked (config.model.scan_layers=true)' if have else 'one by one (scan_layers=false)'}"
+      f", but this model is built with scan_layers={str(want).lower()}. Relaunch with "
+      f"--config.model.scan_layers={flag} to restore it (the HF export is the same for both, "
+      "so `dapo-export` then `--config.model.checkpoint=<export>` also moves weights across).")
 
 
 def _checked(out: dict[str, Any]) -> Restored:
@@ -428,6 +471,9 @@ class TrainCheckpointer:
     reads back, `CheckpointIOError` when I/O errors outlast the retries.
     """
     self._mgr.wait_until_finished()
+    steps = self.all_steps()
+    if steps:
+      check_layer_layout(self.directory, steps[-1] if step is None else step, abstract_params)
     return _restore(self._mgr, step,
                     lambda s: _read_step(self.directory, s, abstract_params, abstract_opt_state),
                     self._quarantine, retries=self._retries, backoff_s=self._backoff_s)
@@ -490,6 +536,9 @@ def load_params_only(directory: str | epath.PathLike, step: int | None = None, *
                                          enable_async_checkpointing=False)
   mgr = ocp.CheckpointManager(directory, options=options)
   try:
+    steps = list(mgr.all_steps())
+    if steps:
+      check_layer_layout(directory, max(steps) if step is None else step, abstract_params)
     restored = _restore(mgr, step, lambda s: _read_step(directory, s, abstract_params, None),
                         lambda _: None, retries=read_retries, backoff_s=retry_backoff_s)
   finally:

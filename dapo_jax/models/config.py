@@ -36,6 +36,10 @@ class Qwen2Config:
   dtype: str = "float32"  # compute dtype; log-probs and the loss are always computed in fp32.
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES.
   attention_impl: str = "xla"  # one of ATTENTION_IMPLS; "auto" picks by platform.
+  # One DecoderLayer whose parameters are stacked [layers, ...] and run by `jax.lax.scan`: XLA
+  # compiles one layer instead of num_hidden_layers copies (compile time flat in depth). The
+  # checkpoint layout differs (orbax paths), the HF export does not.
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:

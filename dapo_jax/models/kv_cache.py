@@ -5,6 +5,10 @@ Keys are [N, K, E, S] (slots minor) and values [N, K, S, E], so both attention p
 one-token step are plain batched matmuls over (N, K). A [N, S, K, E] layout made XLA CPU
 transpose the whole cache of every layer on every step (a quarter of the decode time at
 S = 160).
+
+A scanned model (`Qwen2Config.scan_layers`) keeps each of k and v as ONE array with a leading
+layer axis ([L, N, K, E, S], [L, N, K, S, E]); the scanned decode step reads layer l's slice and
+writes its one new slot in place. `per_layer` runs the cache's methods on either layout.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ import jax.numpy as jnp
 
 from dapo_jax import sharding as shd
 
+Layers = tuple[jax.Array, ...] | jax.Array  # L per-layer arrays, or one stacked [L, ...] array
+
+
+def per_layer(fn, *layers: Layers) -> Layers:
+  """`fn` on each layer's array: mapped over a tuple, vmapped over a stacked array."""
+  if isinstance(layers[0], (tuple, list)):
+    return tuple(map(fn, *layers))
+  return jax.vmap(fn)(*layers)
+
 
 @flax.struct.dataclass
 class KVCache:
@@ -26,8 +39,8 @@ class KVCache:
   (prompt padding stays invalid), so rows may sit at different lengths (JetStream's decode
   slots) or all at one (the static sampler's batch).
   """
-  k: tuple[jax.Array, ...]  # L x [N, K, E, S]
-  v: tuple[jax.Array, ...]  # L x [N, K, S, E]
+  k: Layers  # L x [N, K, E, S], or [L, N, K, E, S] stacked
+  v: Layers  # L x [N, K, S, E], or [L, N, K, S, E] stacked
   valid: jax.Array  # [N, S] bool
   index: jax.Array  # [N] int32
 
@@ -35,35 +48,44 @@ class KVCache:
   def max_length(self) -> int:
     return self.valid.shape[1]
 
-  @classmethod
-  def zeros(cls, num_layers: int, rows: int, length: int, kv_heads: int, head_dim: int,
-            dtype: Any) -> KVCache:
-    k = lambda: jnp.zeros((rows, kv_heads, head_dim, length), dtype)
-    v = lambda: jnp.zeros((rows, kv_heads, length, head_dim), dtype)
-    return cls(k=tuple(k() for _ in range(num_layers)), v=tuple(v() for _ in range(num_layers)),
-               valid=jnp.zeros((rows, length), bool), index=jnp.zeros((rows,), jnp.int32))
+  @property
+  def stacked(self) -> bool:
+    return not isinstance(self.k, (tuple, list))
 
   @classmethod
-  def from_pass(cls, ks_NxSxKxE: list[jax.Array], vs_NxSxKxE: list[jax.Array],
-                valid_NxS: jax.Array, dtype: Any) -> KVCache:
-    """The keys and values of a full pass (prefill) over S tokens; every row ends at slot S."""
+  def zeros(cls, num_layers: int, rows: int, length: int, kv_heads: int, head_dim: int,
+            dtype: Any, stacked: bool = False) -> KVCache:
+    k_shape, v_shape = (rows, kv_heads, head_dim, length), (rows, kv_heads, length, head_dim)
+    if stacked:
+      k, v = jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype)
+    else:
+      k = tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers))
+      v = tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers))
+    return cls(k=k, v=v, valid=jnp.zeros((rows, length), bool),
+               index=jnp.zeros((rows,), jnp.int32))
+
+  @classmethod
+  def from_pass(cls, ks_NxSxKxE: Layers, vs_NxSxKxE: Layers, valid_NxS: jax.Array,
+                dtype: Any) -> KVCache:
+    """The keys and values of a full pass (prefill) over S tokens; every row ends at slot S.
+    Per-layer lists give a per-layer cache, stacked [L, N, S, K, E] arrays a stacked one."""
     n, s = valid_NxS.shape
-    return cls(k=tuple(x.transpose(0, 2, 3, 1).astype(dtype) for x in ks_NxSxKxE),
-               v=tuple(x.transpose(0, 2, 1, 3).astype(dtype) for x in vs_NxSxKxE),
+    return cls(k=per_layer(lambda x: x.transpose(0, 2, 3, 1).astype(dtype), ks_NxSxKxE),
+               v=per_layer(lambda x: x.transpose(0, 2, 1, 3).astype(dtype), vs_NxSxKxE),
                valid=valid_NxS, index=jnp.full((n,), s, jnp.int32))
 
   def grow(self, extra_slots: int) -> KVCache:
     """Appends invalid slots (one copy of the cache)."""
     pad = lambda x, axis: jnp.pad(x, [(0, extra_slots) if a == axis else (0, 0)
                                       for a in range(x.ndim)])
-    return self.replace(k=tuple(pad(x, 3) for x in self.k), v=tuple(pad(x, 2) for x in self.v),
-                        valid=pad(self.valid, 1))
+    return self.replace(k=per_layer(lambda x: pad(x, 3), self.k),
+                        v=per_layer(lambda x: pad(x, 2), self.v), valid=pad(self.valid, 1))
 
   def repeat(self, num_samples: int) -> KVCache:
     """Each row `num_samples` times (row = n * num_samples + g), laid out over the batch axes."""
     rep = lambda x: jnp.repeat(x, num_samples, axis=0)
     kv = lambda x: shd.constrain(rep(x), ("batch", "kv_heads", None, None))
-    return KVCache(k=tuple(map(kv, self.k)), v=tuple(map(kv, self.v)),
+    return KVCache(k=per_layer(kv, self.k), v=per_layer(kv, self.v),
                    valid=shd.constrain(rep(self.valid), ("batch", None)), index=rep(self.index))
 
   def insert(self, src: KVCache, rows_M: jax.Array) -> KVCache:
@@ -74,26 +96,33 @@ class KVCache:
     put_v = lambda dst, x: dst.at[rows_M, :, :p].set(x.astype(dst.dtype), mode="drop")
     valid_MxS = jnp.zeros((rows_M.shape[0], self.max_length), bool).at[:, :p].set(src.valid)
     put = lambda dst, x: dst.at[rows_M].set(x, mode="drop")
-    return KVCache(k=tuple(map(put_k, self.k, src.k)), v=tuple(map(put_v, self.v, src.v)),
+    return KVCache(k=per_layer(put_k, self.k, src.k), v=per_layer(put_v, self.v, src.v),
                    valid=put(self.valid, valid_MxS), index=put(self.index, src.index))
 
 
 def write_step(k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array, kn_NxKxE: jax.Array,
-               vn_NxKxE: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+               vn_NxKxE: jax.Array, slot: jax.Array, layer: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
   """Writes one token's key and value per row at `slot`.
 
   `slot` is a scalar (every row writes the same slot: one in-place dynamic_update_slice) or
   [N] (each row its own slot: a scatter; a slot past the end overwrites the last one, as
-  dynamic_update_slice clamps).
+  dynamic_update_slice clamps). With `layer`, k and v are a stacked cache's [L, ...] arrays and
+  only that layer's slot is written.
   """
   kn, vn = kn_NxKxE.astype(k_NxKxExS.dtype), vn_NxKxE.astype(v_NxKxSxE.dtype)
+  lead = () if layer is None else (layer,)
   if jnp.ndim(slot) == 0:
-    return (jax.lax.dynamic_update_slice(k_NxKxExS, kn[..., None], (0, 0, 0, slot)),
-            jax.lax.dynamic_update_slice(v_NxKxSxE, vn[:, :, None], (0, 0, slot, 0)))
-  n, s = k_NxKxExS.shape[0], k_NxKxExS.shape[3]
+    kn, vn = kn[..., None], vn[:, :, None]
+    if layer is not None:
+      kn, vn = kn[None], vn[None]
+    return (jax.lax.dynamic_update_slice(k_NxKxExS, kn, lead + (0, 0, 0, slot)),
+            jax.lax.dynamic_update_slice(v_NxKxSxE, vn, lead + (0, 0, slot, 0)))
+  n, s = k_NxKxExS.shape[-4], k_NxKxExS.shape[-1]
   rows_N, slot_N = jnp.arange(n), jnp.minimum(slot, s - 1)
-  return (k_NxKxExS.at[rows_N, :, :, slot_N].set(kn, unique_indices=True),
-          v_NxKxSxE.at[rows_N, :, slot_N].set(vn, unique_indices=True))
+  return (k_NxKxExS.at[lead + (rows_N, slice(None), slice(None), slot_N)].set(
+              kn, unique_indices=True),
+          v_NxKxSxE.at[lead + (rows_N, slice(None), slot_N)].set(vn, unique_indices=True))
 
 
 def mark_valid(valid_NxS: jax.Array, slot: jax.Array) -> jax.Array:

@@ -6,6 +6,11 @@
 Every sampler (rollout/sampler.py, continuous.py, jetstream_engine.py) decodes through these two;
 nothing outside models/ reaches into the layers.
 
+`config.scan_layers` holds the decoder layers as ONE `DecoderLayer` whose parameters are stacked
+on a leading "layers" axis and runs them with `jax.lax.scan` (remat inside the scanned body), so
+XLA compiles one layer whatever the depth; the default is a Python loop over `num_hidden_layers`
+modules (unrolled into the program). Both layouts compute the same function from the same seed.
+
 Shapes in names: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, E head dim, F MLP width, V vocab, N decode rows.
 Every parameter carries ``logical_axes`` metadata (see ``dapo_jax.sharding``).
@@ -26,6 +31,7 @@ from dapo_jax.models.kv_cache import KVCache
 from dapo_jax.sharding import constrain
 
 _INIT_STD = 0.02
+LAYERS_AXIS = "layers"  # logical name of the stacked layer axis (config.scan_layers)
 
 
 class RMSNorm(nnx.Module):
@@ -106,18 +112,21 @@ class Attention(nnx.Module):
     return self.o_proj(out_BxTxHxE, dtype), ((k, v) if with_kv else None)
 
   def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
-             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array
+             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array,
+             layer: jax.Array | None = None
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One token per row: writes its key and value at `slot` (scalar or [N]), attends over the
-    cache layer (`valid_NxS` already marks the new slot)."""
+    cache layer (`valid_NxS` already marks the new slot). With `layer`, k and v are the stacked
+    cache ([L, ...]) and this is its layer `layer`."""
     dtype = x_Nx1xD.dtype
     q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
     q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
     kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
     vn_Nx1xKxE = self.v_proj(x_Nx1xD, dtype)
     k_NxKxExS, v_NxKxSxE = kv_cache.write_step(k_NxKxExS, v_NxKxSxE, kn_Nx1xKxE[:, 0],
-                                               vn_Nx1xKxE[:, 0], slot)
-    o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_NxKxExS, v_NxKxSxE, valid_NxS)
+                                               vn_Nx1xKxE[:, 0], slot, layer)
+    k_l, v_l = (k_NxKxExS, v_NxKxSxE) if layer is None else (k_NxKxExS[layer], v_NxKxSxE[layer])
+    o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_l, v_l, valid_NxS)
     return self.o_proj(o_NxHxE[:, None], dtype), (k_NxKxExS, v_NxKxSxE)
 
 
@@ -156,10 +165,11 @@ class DecoderLayer(nnx.Module):
     return constrain(x, ("batch", "length", "act_embed")), kv
 
   def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
-             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array
+             v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array,
+             layer: jax.Array | None = None
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     attn_out, kv = self.self_attn.decode(self.input_layernorm(x_Nx1xD), positions_Nx1,
-                                         k_NxKxExS, v_NxKxSxE, valid_NxS, slot)
+                                         k_NxKxExS, v_NxKxSxE, valid_NxS, slot, layer)
     x_Nx1xD = x_Nx1xD + attn_out
     x_Nx1xD = x_Nx1xD + self.mlp(self.post_attention_layernorm(x_Nx1xD))
     return constrain(x_Nx1xD, ("batch", "length", "act_embed")), kv
@@ -167,6 +177,24 @@ class DecoderLayer(nnx.Module):
 
 def _layer_apply(layer, x, positions, mask):
   return layer(x, positions, mask)[0]
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+  """One DecoderLayer holding `layers`' parameters stacked on a leading axis whose logical name
+  is "layers" (unsharded by every rules table); layer l is index l of each parameter."""
+  graphdef, first = nnx.split(layers[0])
+  states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
+
+  def stack(*variables):
+    axes = variables[0].get_metadata().get("logical_axes") or ()
+    return variables[0].replace(jnp.stack([v[...] for v in variables]),
+                                logical_axes=(LAYERS_AXIS,) + tuple(axes))
+
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_variable))
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
 
 
 _policies = jax.checkpoint_policies
@@ -199,7 +227,9 @@ class Qwen2ForCausalLM(nnx.Module):
     init = nnx.initializers.normal(_INIT_STD)
     self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd),
                                   logical_axes=("vocab", "embed"))
-    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+    layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)]
+    # Built one by one either way, so a seed gives the same weights in both layouts.
+    self.layers = stack_layers(layers) if cfg.scan_layers else nnx.List(layers)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
     self.lm_head = (None if cfg.tie_word_embeddings else nnx.Param(
         init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd),
@@ -222,7 +252,21 @@ class Qwen2ForCausalLM(nnx.Module):
     """An empty cache (every slot invalid), e.g. JetStream's decode slots."""
     cfg = self.config
     return KVCache.zeros(cfg.num_hidden_layers, batch_size, max_length, cfg.num_key_value_heads,
-                         cfg.dim_per_head, dtype or cfg.jnp_dtype)
+                         cfg.dim_per_head, dtype or cfg.jnp_dtype, stacked=cfg.scan_layers)
+
+  def _scan_layers(self, body, carry, xs=None, policy=None):
+    """``body(layer, carry, x) -> (carry, y)`` over the stacked layer (`config.scan_layers`)
+    with one `jax.lax.scan`; a `policy` rematerialises each scanned step under it (what the
+    backward pass keeps of each layer, as in the unrolled loop). Returns (carry, stacked ys)."""
+    graphdef, state = nnx.split(self.layers)
+
+    def step(carry, state_and_x):
+      layer_state, x = state_and_x
+      return body(nnx.merge(graphdef, layer_state), carry, x)
+
+    if policy is not None:
+      step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+    return jax.lax.scan(step, carry, (state, xs))
 
   def hidden_states(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
                     attention_mask_BxT: jax.Array | None = None, *, with_cache: bool = False
@@ -243,6 +287,14 @@ class Qwen2ForCausalLM(nnx.Module):
 
     x = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("batch", "length", "act_embed"))
+    if cfg.scan_layers:
+      def body(layer, x, _):
+        return layer(x, positions_BxT, mask, with_kv=with_cache)
+      if with_cache:  # a prefill: no backward pass, so no remat
+        x, (ks, vs) = self._scan_layers(body, x)
+        return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.jnp_dtype)
+      x, _ = self._scan_layers(body, x, policy=REMAT_POLICIES[cfg.remat])
+      return self.norm(x), None
     if with_cache:  # a prefill: no backward pass, so no remat
       ks, vs = [], []
       for layer in self.layers:
@@ -280,6 +332,16 @@ class Qwen2ForCausalLM(nnx.Module):
     pos_Nx1 = positions_N[:, None]
     x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0).astype(cfg.jnp_dtype)
     x_Nx1xD = constrain(x_Nx1xD, ("batch", "length", "act_embed"))
+    if cfg.scan_layers:
+      def body(layer, carry, l):
+        x_Nx1xD, k, v = carry
+        x_Nx1xD, (k, v) = layer.decode(x_Nx1xD, pos_Nx1, k, v, valid_NxS, slot, l)
+        return (x_Nx1xD, k, v), None
+      (x_Nx1xD, k_LxNxKxExS, v_LxNxKxSxE), _ = self._scan_layers(
+          body, (x_Nx1xD, cache.k, cache.v), jnp.arange(cfg.num_hidden_layers))
+      logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
+      return logits_NxV, KVCache(k=k_LxNxKxExS, v=v_LxNxKxSxE, valid=valid_NxS,
+                                 index=cache.index + 1)
     new_k, new_v = [], []
     for layer, k_NxKxExS, v_NxKxSxE in zip(self.layers, cache.k, cache.v):
       x_Nx1xD, (k_NxKxExS, v_NxKxSxE) = layer.decode(x_Nx1xD, pos_Nx1, k_NxKxExS, v_NxKxSxE,

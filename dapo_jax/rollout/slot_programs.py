@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
-from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
 from dapo_jax.tracing import TraceCounter
@@ -100,7 +100,7 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
     decode = sl.empty_decode_state(model, num_slots, cache_length)
     kv = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None))
     decode = decode.replace(cache=decode.cache.replace(
-        k=tuple(map(kv, decode.cache.k)), v=tuple(map(kv, decode.cache.v)),
+        k=per_layer(kv, decode.cache.k), v=per_layer(kv, decode.cache.v),
         valid=_slot_rows(decode.cache.valid)))
     zn = jnp.zeros((num_slots,), jnp.int32)
     slots = Slots(decode=decode, live=_slot_rows(zn.astype(bool)), owner=_slot_rows(zn - 1),
@@ -149,7 +149,7 @@ def _admit(model, engine: Engine, base_key_data, params: SamplingParams, max_adm
   sample_A = q.placed[entry_A] + r_A - (end_Q[j_A] - left_Q[j_A])
   keys_Ax2 = request_keys(base_key_data, jnp.stack([q.key_id[entry_A], sample_A], -1))
   rows = lambda x: x[entry_A]
-  cache = KVCache(k=tuple(map(rows, q.cache.k)), v=tuple(map(rows, q.cache.v)),
+  cache = KVCache(k=per_layer(rows, q.cache.k), v=per_layer(rows, q.cache.v),
                   valid=rows(q.cache.valid), index=rows(q.position))
   prefix = sl.first_tokens(model, cache, rows(q.hidden), rows(q.position), keys_Ax2, params)
   put = lambda dst, src: dst.at[slot_A].set(src, mode="drop")
