@@ -136,6 +136,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.save_every = 10
   c.checkpoint.max_to_keep = 3
   c.checkpoint.async_save = True
+  # JAX's persistent compilation cache (a relaunch loads its programs instead of compiling):
+  # "auto" = $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache; "off"; or a
+  # directory (local or gs://). dapo-eval and dapo-serve use it too (dapo_jax/compile_cache.py).
+  c.compilation_cache_dir = "auto"
 
   # Device meshes as data, [(axis, size), ...] over ("data", "fsdp", "tensor"); one size may be
   # -1 (the remaining devices). Training lays parameters out by sharding.TRAIN_RULES on `mesh`;

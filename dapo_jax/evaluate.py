@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import cli
+from dapo_jax import compile_cache
 from dapo_jax import eval_metrics
 from dapo_jax import distributed
 from dapo_jax import generation
@@ -130,6 +131,7 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   distributed.maybe_initialize()
   config = fv.config
+  compile_cache.setup(config, cli.expand(fv.workdir))
   config, policy = _config_and_params(fv, policy_lib.sampling_mesh(config))
   records = run_setup.load_dataset(config.data.eval, config, "eval")
   summary, evaluator = evaluate_policy(config, policy, records)

@@ -160,19 +160,23 @@ def forward_log_probs(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State
     positions_BxL = default_positions(attention_mask_BxL)
   rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
 
-  def one(xs):
+  def one(weights, xs):
     ids, attn, pos = (constrain(x, ("batch", None)) for x in xs)
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, *weights)
     return response_log_probs(model, ids, attn, pos, response_len, temperature=temperature,
                               chunk_size=chunk_size)
 
   b = input_ids_BxL.shape[0]
   if micro_batch_size <= 0 or micro_batch_size >= b:
-    return one(rows)
+    return one((params, rest), rows)
   if b % micro_batch_size:
     raise ValueError(f"forward_micro_batch_size={micro_batch_size} does not divide the "
                      f"batch of {b} rows.")
-  out = jax.lax.map(one, tuple(split_micro(x, b // micro_batch_size) for x in rows))
+  # The weights ride in the loop carry, unchanged: the model is then built from values of the
+  # loop body's own trace, which `nnx.remat` requires (closed-over weights raise
+  # TraceContextError with rematerialisation on).
+  _, out = jax.lax.scan(lambda w, xs: (w, one(w, xs)), (params, rest),
+                        tuple(split_micro(x, b // micro_batch_size) for x in rows))
   return tuple(merge_micro(x) for x in out)
 
 

@@ -10,8 +10,14 @@ Overrides are dapo-train's ``--config.x=y`` (``--set x=y`` is a deprecated alias
 
 TPU and CPU targets compile the real train step, rollout program and train->rollout reshard
 ahead of time (TPU through libtpu on compile-only devices, so a CPU-only host suffices) and read
-XLA's memory and cost analyses. GPU targets get an analytic estimate, labelled as such. The
-old-log-prob forward is not planned: it runs the train step's micro-batches without gradients.
+XLA's memory and cost analyses. GPU targets get an analytic estimate, labelled as such.
+
+Where the chip's datasheet peaks are known (TPU targets; `plan_estimates.CHIPS`), the plan also
+compiles the old-log-prob forward, the static sampler's prefill and decode step and the
+continuous engine's programs, and prints a roofline ESTIMATE of one RL step by phase: each
+program's FLOPs and HBM bytes (XLA's cost analysis, which counts a loop body once, so the runs
+are multiplied out explicitly) at peak compute or bandwidth, whichever binds; and the update's
+implied MFU. It leaves out communication and host time.
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ from dapo_jax import plan_estimates as est
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import attention
-from dapo_jax.models import Qwen2Config, abstract_model, get_preset
+from dapo_jax.models import Qwen2Config, abstract_model, default_positions, get_preset
+from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import Sampler
-from dapo_jax.rollout.sampling import SamplingParams
-from dapo_jax.train_step import (TrainBatch, TrainState, TrainStep, make_optimizer,
-                                 master_params)
+from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.train_step import (LogProbForward, TrainBatch, TrainState, TrainStep,
+                                 make_optimizer, master_params)
 
 GiB = 1024**3
 
@@ -62,6 +69,11 @@ class Target:
   @property
   def analytic(self) -> bool:
     return self.devices is None
+
+  @property
+  def chip(self) -> est.Chip | None:
+    """The chip's datasheet peaks (None: unknown, e.g. a CPU)."""
+    return est.CHIPS.get(self.name.split(":")[0].lower()) if self.kind != "cpu" else None
 
 
 def parse_target(spec: str) -> Target:
@@ -139,10 +151,11 @@ def peak_bytes(mem: dict[str, int]) -> int:
   return mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
 
 
-def _flops(compiled) -> float:
+def _cost(compiled) -> est.Cost:
+  """Per-device FLOPs and HBM bytes of one run of ``compiled`` (a loop body counted once)."""
   cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get("flops", 0.0))
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return est.Cost(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
 
 
 _OOM = re.compile(r"memory required for (.+?) \(([\d.]+)([KMGT]?)\) exceeds available HBM "
@@ -177,8 +190,9 @@ def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: st
     if oom["what"] == "HLO temporaries":
       parts[temp_part] = max(oom["required"] - temp_known, 0)
     return out | {"oom": oom, "peak": sum(parts.values()), "flops_compiled": 0.0}
-  mem = _mem(compiled)
-  return out | {"memory": mem, "peak": peak_bytes(mem), "flops_compiled": _flops(compiled)}
+  mem, cost = _mem(compiled), _cost(compiled)
+  return out | {"memory": mem, "peak": peak_bytes(mem), "flops_compiled": cost.flops,
+                "bytes_compiled": cost.bytes}
 
 
 def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
@@ -213,6 +227,13 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
       "state_bytes": parts["params"] + parts["opt_state"]}
 
 
+def sampling_params(config, mcfg: Qwen2Config) -> SamplingParams:
+  return SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                        top_k=config.rollout.top_k,
+                        max_new_tokens=config.rollout.max_response_length,
+                        eos_ids=(mcfg.eos_token_id or 0,), pad_id=mcfg.eos_token_id or 0)
+
+
 def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: Mesh
                     ) -> dict[str, Any]:
   """AOT-compiles one rollout call (prefill + decode loop) and the train -> rollout reshard."""
@@ -225,9 +246,7 @@ def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: M
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype,
                              sharding=NamedSharding(rollout_mesh, PartitionSpec()))
-  sp = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                      top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_response_length,
-                      eos_ids=(mcfg.eos_token_id or 0,), pad_id=mcfg.eos_token_id or 0)
+  sp = sampling_params(config, mcfg)
   sampler = Sampler(graphdef, mesh=rollout_mesh, rules=shd.SAMPLE_RULES)
   ids = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=prompt_sh)
   mask = jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=prompt_sh)
@@ -245,8 +264,158 @@ def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: M
                     "reshard": dataclasses.asdict(reshard) | {"peak": reshard.peak}}
 
 
-def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, Any]:
-  """The plan as a JSON-able dict; compiles unless the target is analytic."""
+def _lower_and_cost(lowered) -> dict[str, Any]:
+  compiled, oom, seconds = _compile(lowered)
+  if compiled is None:
+    return {"oom": oom, "compile_seconds": round(seconds, 1)}
+  return {"cost": dataclasses.asdict(_cost(compiled)), "compile_seconds": round(seconds, 1)}
+
+
+def compile_logprob(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+  """AOT-compiles the old-log-prob forward over a step's trajectories (the trainer's one call:
+  `forward_micro_batch_size` rows at a time, a loop whose body the cost analysis counts once)."""
+  tcfg = run_setup.train_config(config)
+  graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
+  params = jax.eval_shape(functools.partial(master_params, cfg=tcfg), params)
+  rows = config.optim.train_batch_size * config.rollout.n
+  r = config.rollout.max_response_length
+  t = config.data.max_prompt_length + r
+  ids = jax.ShapeDtypeStruct((rows, t), jnp.int32)
+  mask = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
+  forward = LogProbForward(graphdef, tcfg, mesh, rest=rest)
+  micro = tcfg.forward_micro_batch_size
+  loops = rows // micro if 0 < micro < rows else 1
+  return _lower_and_cost(forward.lower(params, ids, mask, r)) | {"rows": rows,
+                                                                  "loop_runs": loops}
+
+
+def _rows_layout(tree, rows: int, mesh: Mesh):
+  """``tree`` (abstract) laid out as the rollout lays out its KV cache and per-row state
+  (`KVCache.repeat`): rows over the batch axes, KV heads over ``tensor`` (per-layer [N, K, ., .]
+  key/value arrays or layer-stacked [L, N, K, ., .] ones); anything else replicated."""
+  def one(path, x):
+    if any(getattr(k, "name", None) in ("k", "v") for k in path) and x.ndim >= 4:
+      names = (None,) * (x.ndim - 4) + ("batch", "kv_heads", None, None)
+    elif x.ndim and x.shape[0] == rows:
+      names = ("batch",) + (None,) * (x.ndim - 1)
+    else:
+      names = (None,) * x.ndim
+    spec = shd.logical_to_spec(names, shd.SAMPLE_RULES, x.shape, mesh)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+                         ) -> dict[str, Any]:
+  """The static sampler's pieces, compiled alone for their costs (in the rollout program they
+  sit in `while_loop`s whose bodies XLA's cost analysis counts once): the prefill of a call's
+  prompts, and one decode step of its B*G rows (the model's `decode_step`, as the sampler runs
+  it, then sampling) over the cache lengths of the shortest and the longest decode loop."""
+  graphdef, state = nnx.split(abstract_model(mcfg))
+  state = _abstract(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
+  b = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
+  g, p = config.rollout.n, config.data.max_prompt_length
+  n = b * g
+  prompt_sh = shd.prompt_sharding(mesh, shd.SAMPLE_RULES, b, g)
+  row_sh = shd.batch_sharding(mesh, shd.SAMPLE_RULES, 1, n)
+  sds = jax.ShapeDtypeStruct
+
+  def prefill(state, ids_BxP, mask_BxP):
+    with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+      model = nnx.merge(graphdef, state)
+      h_BxPxD, cache = model.prefill(ids_BxP, default_positions(mask_BxP), mask_BxP)
+      return model.logits_from_hidden(h_BxPxD[:, -1:])[:, 0], cache
+
+  def decode(state, tok_N, pos_N, cache, key):
+    with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+      logits_NxV, cache = nnx.merge(graphdef, state).decode_step(tok_N, pos_N, cache,
+                                                                 same_slot=True)
+      tok_N, lp_N = sample_logits(logits_NxV, key, temperature=sp.temperature, top_p=sp.top_p,
+                                  top_k=sp.top_k)
+      return tok_N, lp_N, cache
+
+  out = {"prefill": _lower_and_cost(jax.jit(prefill).lower(
+      state, sds((b, p), jnp.int32, sharding=prompt_sh), sds((b, p), jnp.bool_,
+                                                             sharding=prompt_sh)))}
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = sds(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  segments = Sampler(graphdef, mesh=mesh).cache_segments  # the trainer's default
+  lengths = sorted({s for _, s in est.static_decode_steps(sp.max_new_tokens, segments, p)})
+  for length in (lengths[0], lengths[-1]) if len(lengths) > 1 else lengths:
+    cache = _rows_layout(jax.eval_shape(
+        lambda length=length: abstract_model(mcfg).init_cache(n, length)), n, mesh)
+    step = jax.jit(decode, donate_argnums=3).lower(
+        state, sds((n,), jnp.int32, sharding=row_sh), sds((n,), jnp.int32, sharding=row_sh),
+        cache, key)
+    out[f"decode_step@{length}"] = _lower_and_cost(step) | {"cache_length": length}
+  return out | {"rows": n, "prompts_per_call": b, "cache_segments": segments}
+
+
+def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+                       ) -> dict[str, Any]:
+  """AOT-compiles the continuous engine's programs (`rollout/slot_programs.py`) as the trainer's
+  `ContinuousSampler` would run them: its state (`init`: the slots' KV cache and the prompt
+  queue), an `enqueue` that prefills `enqueue_rows` prompts into the queue, and a chunk of decode
+  steps with in-loop admission (`decode_chunk`, whose loop body the cost analysis counts once)."""
+  from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import slot_programs as prog  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(abstract_model(mcfg))
+  state = _abstract(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
+  p, r, g = config.data.max_prompt_length, config.rollout.max_response_length, config.rollout.n
+  sampler = continuous.ContinuousSampler(
+      graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
+      max_prefill_length=p)
+  prog_mesh = sampler.mesh
+  q = sampler.queue_prompts(g)
+  prompt_slots = sl.prefill_bucket(p)
+  init = prog.init_program.lower(
+      state, graphdef=graphdef, num_slots=sampler.num_slots, queue_size=q, num_samples=g,
+      prompt_length=prompt_slots, cache_length=prompt_slots + r, mesh=prog_mesh)
+  init_compiled, oom, _ = _compile(init)
+  if init_compiled is None:
+    return {"oom": oom, "slots": sampler.num_slots}
+  engine = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        init.out_info, init_compiled.output_shardings)
+  sds, rep = jax.ShapeDtypeStruct, NamedSharding(mesh, PartitionSpec())
+  m = 1  # in steady state the queue frees an entry at a time
+  i32 = lambda *shape: sds(shape, jnp.int32, sharding=rep)
+  enqueue = prog.enqueue_program.lower(
+      state, engine, i32(m, prompt_slots), i32(m), i32(m), i32(m), i32(m, g), i32(m),
+      graphdef=graphdef, mesh=prog_mesh)
+  key_data = jax.random.key_data(jax.random.key(0))
+  chunk = prog.chunk_program.lower(
+      state, engine, sds(key_data.shape, key_data.dtype, sharding=rep),
+      sds((), bool, sharding=rep), graphdef=graphdef, params=sp, mesh=prog_mesh,
+      chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit)
+  out = {"engine_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine))
+                         // max(1, mesh.size)}
+  for name, lowered in (("enqueue", enqueue), ("decode_chunk", chunk)):
+    compiled, oom, seconds = _compile(lowered)
+    out[name] = ({"oom": oom} if compiled is None else
+                 {"cost": dataclasses.asdict(_cost(compiled)), "memory": _mem(compiled),
+                  "peak": peak_bytes(_mem(compiled))}) | {"compile_seconds": round(seconds, 1)}
+  return out | {"slots": sampler.num_slots, "enqueue_rows": m, "queue_prompts": q,
+                "chunk_steps": sampler.chunk_steps}
+
+
+def _reported(compile_fn, *args) -> dict[str, Any]:
+  """``compile_fn(*args)``, or the error it raised (a program the memory plan does not need)."""
+  try:
+    return compile_fn(*args)
+  except Exception as err:  # pylint: disable=broad-except
+    return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
+def make_plan(config: ml_collections.ConfigDict, target: Target,
+              estimate: bool | None = None) -> dict[str, Any]:
+  """The plan as a JSON-able dict; compiles unless the target is analytic.
+
+  ``estimate`` (default: when the target's chip has datasheet peaks) also compiles the
+  programs the step-time estimate needs (old-log-prob forward, the static sampler's prefill
+  and decode step, the continuous engine) and adds ``plan["estimate"]``.
+  """
+  if estimate is None:
+    estimate = target.chip is not None
   config_lib.validate(config)
   mcfg = plan_model_config(config)
   plan: dict[str, Any] = {
@@ -272,6 +441,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, An
     with attention.compile_for(target.kind):
       plan["train"] = compile_train_step(config, mcfg, train_mesh)
       plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+      if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
+        sp = sampling_params(config, mcfg)
+        if not config.rollout.use_sampler_logprobs:
+          plan["logprob"] = _reported(compile_logprob, config, mcfg, train_mesh)
+        plan["decode"] = _reported(compile_decode_costs, config, mcfg, rollout_mesh, sp)
+        plan["continuous"] = _reported(compile_continuous, config, mcfg, rollout_mesh, sp)
     plan["attention"] = attention.resolve_impl(
         config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
         seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
@@ -289,6 +464,11 @@ def make_plan(config: ml_collections.ConfigDict, target: Target) -> dict[str, An
   plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
   if "oom" in plan["train"] or "oom" in plan["rollout"]:
     plan["fits"] = False
+  if estimate and target.chip is not None and not target.analytic:
+    plan["uncounted_flops"] = est.uncounted_flops(
+        config, mcfg, target.num_devices, splash=plan["attention"] == "splash",
+        logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
+    plan["estimate"] = est.step_estimate(config, plan, target.chip)
   return plan
 
 
@@ -340,8 +520,45 @@ def format_plan(plan: dict[str, Any]) -> str:
   if "compile_seconds" in t:
     lines.append(f"  compile time: train step {t['compile_seconds']:.0f} s, rollout "
                  f"{r['compile_seconds']:.0f} s")
+  lines += format_estimate(plan)
   lines += [f"  warning: {w}" for w in plan["warnings"]]
   return "\n".join(lines)
+
+
+_PHASE_NAMES = {"rollout": "rollout (static sampler)", "old_logprob": "old log-probs",
+                "update": "updates", "rollout_continuous": "rollout (continuous engine)"}
+
+
+def _seconds(s: float) -> str:
+  return f"{s / 3600:6.2f} h " if s >= 3600 else f"{s:8.1f} s" if s >= 1 else f"{s * 1e3:8.1f} ms"
+
+
+def format_estimate(plan: dict[str, Any]) -> list[str]:
+  """The step-time estimate's lines (none when the plan has none)."""
+  e = plan.get("estimate")
+  if e is None:
+    return []
+  chip, a = e["chip"], e["assumptions"]
+  lines = [f"  step time ESTIMATE (roofline from the compiled programs' cost analysis at "
+           f"{chip['flops_per_s'] / 1e12:.0f} TFLOP/s and {chip['hbm_bytes_per_s'] / 1e9:.0f} "
+           f"GB/s per chip, {chip['source']}; one generation batch; no communication time):"]
+  for phase, v in e["phases"].items():
+    parts = ", ".join(f"{name} x{p['runs']:,.0f} {p['seconds']:.3g} s ({p['bound']})"
+                      for name, p in v["programs"].items())
+    lines.append(f"    {_PHASE_NAMES.get(phase, phase):<29}{_seconds(v['seconds'])}  [{parts}]")
+  if e["step_seconds"] is not None:
+    label = f"RL step ({e.get('rollout_engine', 'static')} rollout)"
+    lines.append(f"    {label:<29}{_seconds(e['step_seconds'])}  "
+                 f"update MFU {100 * e['update_mfu']:.0f}% (estimate)")
+  for phase in e["missing"]:  # its programs did not compile: their errors are in the plan
+    key = {"rollout": "decode", "old_logprob": "logprob", "update": "train",
+           "rollout_continuous": "continuous"}[phase]
+    why = plan.get(key, {}).get("error") or plan.get(key, {}).get("oom") or "not compiled"
+    lines.append(f"    {_PHASE_NAMES[phase]:<29}not estimated: {why}")
+  if "rollout_continuous" in e["phases"]:
+    lines.append(f"    (continuous engine: mean response {a['mean_response_fraction']:.2f} x "
+                 f"max_response_length, {100 * a['slot_utilization']:.0f}% of slot-steps busy)")
+  return lines
 
 
 def _define(fv) -> None:

@@ -1,5 +1,6 @@
-"""Closed-form sizes behind ``dapo-plan``: device capacities, KV cache, FLOPs, and the analytic
-memory estimate used where no compiler for the target is at hand (GPU clusters).
+"""Closed-form sizes behind ``dapo-plan``: device capacities, KV cache, FLOPs, the analytic
+memory estimate used where no compiler for the target is at hand (GPU clusters), and the
+roofline estimate of an RL step's time from per-program costs.
 
 FLOPs count a multiply-add as 2. Attention is counted over the full padded length, as the XLA
 attention path computes it (masked scores cost the same as real ones).
@@ -7,6 +8,7 @@ attention path computes it (masked scores cost the same as real ones).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -14,10 +16,224 @@ import ml_collections
 import numpy as np
 
 from dapo_jax.models import Qwen2Config
+from dapo_jax.rollout.sampler import segment_ends
 
 # v5p: the 95.74 GiB libtpu reports when it refuses a program; others are the nominal sizes.
 TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95.74, "v6e": 32}
 GPU_HBM_GB = {"a100": 80, "h100": 80, "h200": 141, "b200": 180}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Datasheet peaks of one chip: dense bf16 matmul FLOP/s and HBM bytes/s."""
+  flops_per_s: float
+  hbm_bytes_per_s: float
+  source: str
+
+
+_TPU_DOC = "cloud.google.com/tpu/docs/{} (peak bf16 compute, HBM bandwidth per chip)"
+CHIPS = {
+    "v4": Chip(275e12, 1200e9, _TPU_DOC.format("v4")),
+    "v5e": Chip(197e12, 819e9, _TPU_DOC.format("v5e")),
+    "v5litepod": Chip(197e12, 819e9, _TPU_DOC.format("v5e")),
+    "v5p": Chip(459e12, 2765e9, _TPU_DOC.format("v5p")),
+    "v6e": Chip(918e12, 1638e9, _TPU_DOC.format("v6e")),
+    # NVIDIA datasheets, SXM parts; dense bf16 (half the "with sparsity" figure).
+    "a100": Chip(312e12, 2039e9, "NVIDIA A100 datasheet (80GB SXM)"),
+    "h100": Chip(989e12, 3350e9, "NVIDIA H100 datasheet (SXM)"),
+    "h200": Chip(989e12, 4800e9, "NVIDIA H200 datasheet (SXM)"),
+    "b200": Chip(2250e12, 8000e9, "NVIDIA HGX B200 datasheet (per GPU)"),
+}
+# The response-length mix the rollout estimate assumes (issue 16's paper-shaped mix: mean a
+# quarter of the budget, ~5% at the limit) and the continuous engine's share of busy slot-steps
+# (the issue's goal). The static sampler decodes every call to the budget: with ~5% of the
+# responses at the limit, a call of many rows almost surely holds one.
+MEAN_RESPONSE_FRACTION = 0.25
+SLOT_UTILIZATION = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """Per-device work of a program run: FLOPs and HBM bytes accessed (XLA's cost analysis)."""
+  flops: float
+  bytes: float
+
+  def __add__(self, other: Cost) -> Cost:
+    return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+  def __mul__(self, times: float) -> Cost:
+    return Cost(self.flops * times, self.bytes * times)
+
+  __rmul__ = __mul__
+
+  def seconds(self, chip: Chip) -> float:
+    """Roofline time: the larger of compute time at peak and HBM time at full bandwidth."""
+    return max(self.flops / chip.flops_per_s, self.bytes / chip.hbm_bytes_per_s)
+
+
+def interpolate(a: Cost, b: Cost, at_a: float, at_b: float, at: float) -> Cost:
+  """The cost at ``at`` of a program linear in one size (a decode step in its cache length),
+  from its costs ``a`` at ``at_a`` and ``b`` at ``at_b``."""
+  if at_a == at_b:
+    return a
+  w = (at - at_a) / (at_b - at_a)
+  return Cost(a.flops + w * (b.flops - a.flops), a.bytes + w * (b.bytes - a.bytes))
+
+
+def static_decode_steps(max_new_tokens: int, cache_segments: int, prompt_length: int
+                        ) -> list[tuple[int, int]]:
+  """(decode steps, cache slots) per decode loop of one static-sampler call run to the budget:
+  response columns 1 .. R-1, in segments ending at ..., R/4, R/2, R (``Sampler``)."""
+  ends = segment_ends(max_new_tokens, cache_segments)
+  out, start = [], 1
+  for end in ends:
+    if end > start:
+      out.append((end - start, prompt_length + end - 1))
+    start = end
+  return out
+
+
+def _cost(part: dict[str, Any]) -> Cost:
+  return Cost(**part["cost"])
+
+
+def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_devices: int,
+                    splash: bool, logit_chunk_size: int) -> dict[str, float]:
+  """Per-device FLOPs of one run of a program's loop body that XLA's cost analysis misses,
+  added by the estimate:
+
+  * the log-prob head's chunks past the first: it is a loop inside the micro-batch loop
+    (``logprobs.chunked_token_stats``, ``logit_chunk_size`` positions a chunk), and the cost
+    analysis counts a loop body once: (chunks - 1) x chunk x 2 x vocab x hidden per row,
+    x4 in the update (forward, the chunk's checkpointed recomputation, backward);
+  * with ``splash`` (the Pallas kernel on TPU, opaque to the cost analysis) the attention:
+    causal blocks, half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row and
+    layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``.
+  """
+  p, r = config.data.max_prompt_length, config.rollout.max_response_length
+  per_row_layer = 2.0 * mcfg.num_attention_heads * mcfg.dim_per_head / num_devices
+  attention = lambda rows, length: (rows * mcfg.num_hidden_layers * per_row_layer * length
+                                    * length if splash else 0.0)
+  chunk = logit_chunk_size
+  chunks = -(-r // chunk) if 0 < chunk < r else 1
+  head = lambda rows: rows * (chunks - 1) * chunk * 2.0 * mcfg.vocab_size * mcfg.hidden_size \
+      / num_devices
+  trajectories = config.optim.mini_batch_size * config.rollout.n
+  micro = min(config.optim.micro_batch_size, trajectories)
+  remat = 4 / 3 if config.model.remat != "none" else 1.0
+  log_rows = config.optim.train_batch_size * config.rollout.n
+  log_micro = micro if 0 < micro < log_rows else log_rows
+  return {"train": 3 * remat * attention(micro, p + r) + 4 * head(micro),
+          "logprob": attention(log_micro, p + r) + head(log_micro),
+          "prefill": attention(config.rollout.prompts_per_call
+                               or config.algorithm.gen_batch_size, p)}
+
+
+def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
+                     ) -> dict[str, list[tuple[str, Cost, float]]]:
+  """The compiled programs of one RL step with one generation batch, and how often each runs.
+
+  Rollout (static sampler): per call of ``prompts_per_call`` prompts, one prefill and R - 1
+  decode steps of its B*G rows, each step over its loop's cache length (the decode cost is
+  linear in it: interpolated between the two compiled lengths). Old log-probs: the forward's
+  micro-batch loop body, once per micro-batch. Updates: the train step's micro-batch body
+  (with the optimizer, a small overcount) per micro-batch of every update. FLOPs the cost
+  analysis misses (``plan["uncounted_flops"]``: nested loops, Pallas kernels) are added.
+  A phase whose programs did not compile is left out. The continuous engine: one enqueue
+  (prefill) per prompt, a chunk-body decode step (admission included) per
+  (requests x mean response length) / (slots x utilisation) (``MEAN_RESPONSE_FRACTION``,
+  ``SLOT_UTILIZATION``).
+  """
+  r, p, g = config.rollout.max_response_length, config.data.max_prompt_length, config.rollout.n
+  extra = plan.get("uncounted_flops", {})
+  plus = lambda cost, name: cost + Cost(extra.get(name, 0.0), 0.0)
+
+  def rollout():
+    dec = plan["decode"]
+    calls = math.ceil(config.algorithm.gen_batch_size / dec["prompts_per_call"])
+    compiled = sorted((v["cache_length"], _cost(v)) for k, v in dec.items()
+                      if k.startswith("decode_step@"))
+    (la, ca), (lb, cb) = compiled[0], compiled[-1]
+    out = [("prefill", plus(_cost(dec["prefill"]), "prefill"), calls)]
+    for steps, length in static_decode_steps(r, dec["cache_segments"], p):
+      out.append((f"decode step, cache {length}", interpolate(ca, cb, la, lb, length),
+                  calls * steps))
+    return out
+
+  def old_logprob():
+    return [("forward micro-batch", plus(_cost(plan["logprob"]), "logprob"),
+             plan["logprob"]["loop_runs"])]
+
+  def update():
+    t = plan["train"]
+    updates = (config.optim.train_batch_size // config.optim.mini_batch_size
+               * config.optim.ppo_epochs)
+    train = plus(Cost(t["flops_compiled"], t["bytes_compiled"]), "train")
+    return [("train step micro-batch", train, t["num_micro_batches"] * updates)]
+
+  def rollout_continuous():
+    cont = plan["continuous"]
+    requests = config.algorithm.gen_batch_size * g
+    steps = requests * MEAN_RESPONSE_FRACTION * r / (cont["slots"] * SLOT_UTILIZATION)
+    prompts = config.algorithm.gen_batch_size
+    return [("enqueue (prefill)", _cost(cont["enqueue"]), prompts / cont["enqueue_rows"]),
+            ("decode step (chunk body)", _cost(cont["decode_chunk"]), steps)]
+
+  builders = {"rollout": rollout, "old_logprob": old_logprob, "update": update,
+              "rollout_continuous": rollout_continuous}
+  if config.rollout.use_sampler_logprobs:
+    del builders["old_logprob"]
+  phases = {}
+  for name, build in builders.items():
+    try:
+      phases[name] = build()
+    except (KeyError, IndexError):  # a program it needs did not compile (OOM or an error)
+      continue
+  return phases
+
+
+def step_time(phases: dict[str, list[tuple[str, Cost, float]]], chip: Chip
+              ) -> dict[str, dict[str, Any]]:
+  """Roofline seconds per phase: each phase is a list of (program, cost of one run, runs);
+  a program's runs are bound by compute or by HBM bandwidth, whichever is slower."""
+  out = {}
+  for phase, programs in phases.items():
+    parts = {name: {"runs": runs, "flops": cost.flops, "bytes": cost.bytes,
+                    "seconds": runs * cost.seconds(chip),
+                    "bound": ("compute" if cost.flops / chip.flops_per_s
+                              >= cost.bytes / chip.hbm_bytes_per_s else "memory")}
+             for name, cost, runs in programs}
+    out[phase] = {"seconds": sum(p["seconds"] for p in parts.values()), "programs": parts}
+  return out
+
+
+def step_estimate(config: ml_collections.ConfigDict, plan: dict[str, Any], chip: Chip
+                  ) -> dict[str, Any]:
+  """The roofline estimate of one RL step on ``chip`` from the plan's compiled costs: seconds
+  per phase (both rollout engines, old log-probs, updates), the step total with the configured
+  engine's rollout (``rollout.engine``), and the implied MFU of the updates."""
+  phases = step_time(rl_step_programs(config, plan), chip)
+  engine = "rollout_continuous" if config.rollout.engine == "continuous" else "rollout"
+  other = ({"rollout", "rollout_continuous"} - {engine}).pop()
+  needed = [engine, "update"] + ([] if config.rollout.use_sampler_logprobs else ["old_logprob"])
+  missing = [k for k in needed + [other] if k not in phases]
+  step = sum(v["seconds"] for k, v in phases.items() if k != other)
+  update = phases.get("update", {}).get("seconds", 0.0)
+  return {"chip": dataclasses.asdict(chip), "phases": phases, "missing": missing,
+          "rollout_engine": config.rollout.engine,
+          "step_seconds": None if set(missing) & set(needed) else step,
+          "update_mfu": mfu(plan["flops_analytic"]["update_model"], update, chip,
+                            plan["num_devices"]),
+          "assumptions": {"generation_batches": 1,
+                          "mean_response_fraction": MEAN_RESPONSE_FRACTION,
+                          "slot_utilization": SLOT_UTILIZATION}}
+
+
+def mfu(model_flops: float, seconds: float, chip: Chip, num_devices: int) -> float:
+  """Model FLOPs utilisation: the work the model needs (no recomputation) over what the chips
+  could do at peak in ``seconds``."""
+  return model_flops / (seconds * chip.flops_per_s * num_devices) if seconds > 0 else 0.0
+
 # Share of GPU memory XLA's allocator may take (launch/slurm_gpu.sbatch sets 0.92).
 GPU_MEM_FRACTION = 0.92
 # Train-step temporaries per token, per layer and per hidden unit of one trajectory with
@@ -87,12 +303,15 @@ def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str
   rollout = (prompts * p * (2 * n_mm + _attn_flops_per_token(mcfg, p))
              + prompts * g * r * (2 * n_mm + _attn_flops_per_token(mcfg, p + r / 2)))
   rows = config.optim.train_batch_size * g
-  fwd = rows * t * (2 * n_mm + _attn_flops_per_token(mcfg, t))
+  # The log-prob head (vocab x hidden) runs on the R response positions only (logprobs.py).
+  head = mcfg.vocab_size * mcfg.hidden_size
+  fwd = rows * (t * (2 * (n_mm - head) + _attn_flops_per_token(mcfg, t)) + r * 2 * head)
   remat = 4 / 3 if config.model.remat != "none" else 1.0
-  train = 3 * fwd * remat * config.optim.ppo_epochs
+  update_model = 3 * fwd * config.optim.ppo_epochs  # what MFU counts: no recomputation
+  train = update_model * remat
   logprob = 0.0 if config.rollout.use_sampler_logprobs else fwd
   return {"rollout": rollout, "logprob": logprob, "train": train,
-          "total": rollout + logprob + train}
+          "total": rollout + logprob + train, "update_model": update_model}
 
 
 def layout_warnings(config: ml_collections.ConfigDict, mcfg: Qwen2Config,

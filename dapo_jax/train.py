@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from dapo_jax import compile_cache
 from dapo_jax import config as config_lib
 from dapo_jax import diagnostics
 from dapo_jax import distributed
@@ -100,7 +101,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
   config_lib.validate(config, num_devices=jax.device_count())
   workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL, config.json
+  compile_cache.setup(config, workdir)  # before the first compile
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
+    compiles = teardown.enter_context(compile_cache.CompileCounter())
+    teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
     run, state = run_setup.build_run(config, workdir)
     teardown.enter_context(run)
     evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,

@@ -395,13 +395,29 @@ class LogProbForward(_Compiled):
     self.graphdef, self.cfg = graphdef, cfg
     self.rest = nnx.State({}) if rest is None else rest
 
+  def lower(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
+            response_len: int, ref_params: nnx.State | None = None):
+    """Ahead-of-time lowering; the arguments may be ShapeDtypeStructs."""
+    rows = (input_ids_BxL, attention_mask_BxL, None)
+    weights = (params,) if ref_params is None else (params, ref_params)
+    return self.jitted(params, rows, response_len, ref_params).lower(*weights, self.rest, *rows)
+
   def __call__(self, params: nnx.State, input_ids_BxL: jax.Array, attention_mask_BxL: jax.Array,
                response_len: int, positions_BxL: jax.Array | None = None,
                ref_params: nnx.State | None = None) -> tuple[jax.Array, ...]:
     rows = (input_ids_BxL, attention_mask_BxL, positions_BxL)
+    weights = (params,) if ref_params is None else (params, ref_params)
+    if self.mesh is not None:
+      rows = jax.device_put(rows, self._batch_shardings(rows))
+    return self.jitted(params, rows, response_len, ref_params)(*weights, self.rest, *rows)
+
+  def jitted(self, params: nnx.State, rows: tuple, response_len: int,
+             ref_params: nnx.State | None = None):
+    """The jitted forward for these rows' structure and shapes (and whether it has a reference)."""
+    input_ids_BxL = rows[0]
     with_ref = ref_params is not None
-    key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len), with_ref)
     weights = (params, ref_params) if with_ref else (params,)
+    key = (jax.tree.structure(rows), input_ids_BxL.shape, int(response_len), with_ref)
     if key not in self._jits:
       cfg = self.cfg
       fn = functools.partial(forward_with_reference if with_ref else forward_log_probs,
@@ -418,6 +434,4 @@ class LogProbForward(_Compiled):
                           shd.state_shardings(self.rest, self.mesh, self.rules),
                           *self._batch_shardings(rows)),
             out_shardings=(out,) * (3 if with_ref else 2))
-    if self.mesh is not None:
-      rows = jax.device_put(rows, self._batch_shardings(rows))
-    return self._jits[key](*weights, self.rest, *rows)
+    return self._jits[key]

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
+from dapo_jax import compile_cache
 from dapo_jax import metrics
 from dapo_jax import run_files
 from dapo_jax.checkpoints import orbax as ock
@@ -110,6 +111,27 @@ def test_run_files_on_gcs(gcs, bucket):
   assert run_files.read_json(f"gs://{bucket}/r/final_metrics.json") == {"acc": 0.5}
   assert run_files.resolve("~/x") == epath.Path(os.path.expanduser("~/x"))
   assert str(run_files.resolve("gs://b/~x")) == "gs://b/~x"
+
+
+def test_compilation_cache_on_gcs(gcs, bucket):
+  """JAX's persistent cache reads and writes gs:// through etils.epath: a second "launch" (the
+  in-memory caches cleared) loads the program from the bucket instead of compiling it."""
+  path = compile_cache.resolve_dir("auto", f"gs://{bucket}/run")
+  assert path == f"gs://{bucket}/run/compilation_cache"
+  fn = lambda x: jnp.sin(x) * 3.0 + 0.25  # a program no other test compiles
+  try:
+    compile_cache.enable(path)
+    with compile_cache.CompileCounter() as first:
+      want = np.asarray(jax.jit(fn)(np.arange(5, dtype=np.float32)))
+    assert (first.counts.compiled, first.counts.written) == (1, 1), first.counts
+    assert any(n.startswith("run/compilation_cache/") for n in gcs.object_names(bucket))
+    jax.clear_caches()
+    with compile_cache.CompileCounter() as second:
+      got = np.asarray(jax.jit(fn)(np.arange(5, dtype=np.float32)))
+    assert (second.counts.compiled, second.counts.loaded) == (0, 1), second.counts
+    np.testing.assert_array_equal(got, want)
+  finally:
+    compile_cache.enable(None)
 
 
 def _copy_dir(src: str, dst: epath.Path) -> None:

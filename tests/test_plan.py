@@ -37,10 +37,16 @@ def test_layers_flag_on_a_config_without_overrides():
   assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.scan_layers) == (4, 5120, True)
 
 
-def test_cpu_plan_matches_the_trainers_compiled_step():
+@pytest.fixture(scope="module")
+def tiny_plan():
+  """A 2-layer tiny config's plan on 8 CPU devices, with the estimate's programs compiled."""
   config = plan_lib.configure(_tiny_args("--layers", "2"))
+  return config, plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"), estimate=True)
+
+
+def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
+  config, plan = tiny_plan
   assert plan_lib.plan_model_config(config).num_hidden_layers == 2
-  plan = plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"))
   train = plan["train"]
   # The plan's memory is XLA's own analysis of the program it compiled ...
   mem = train["memory"]
@@ -78,6 +84,83 @@ def test_cpu_plan_matches_the_trainers_compiled_step():
   updates = config.optim.train_batch_size // config.optim.mini_batch_size
   compiled = train["flops_compiled"] * train["num_micro_batches"] * plan["num_devices"] * updates
   np.testing.assert_allclose(plan["flops_analytic"]["train"], compiled, rtol=0.1)
+
+
+def test_static_decode_steps_follow_the_samplers_loops():
+  # R = 20480 in 4 loops ending at R/8, R/4, R/2, R; loop i holds P + end_i - 1 cache slots.
+  steps = plan_est.static_decode_steps(20480, 4, 2048)
+  assert steps == [(2559, 4607), (2560, 7167), (5120, 12287), (10240, 22527)]
+  assert sum(n for n, _ in steps) == 20480 - 1  # column 0 comes from the prefill
+  # What the cost analysis misses, on the 32B config over 64 chips: 40 head chunks of 512
+  # (one counted) and the splash attention (causal: 2 x 40 heads x 128 x T^2 per row, layer).
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
+      "--config.optim.micro_batch_size=8"]))
+  mcfg = plan_lib.plan_model_config(config)
+  miss = plan_est.uncounted_flops(config, mcfg, 64, splash=True, logit_chunk_size=512)
+  head = 39 * 512 * 2.0 * mcfg.vocab_size * 5120 / 64
+  attn = 64 * 2.0 * 40 * 128 * 22528**2 / 64
+  assert miss["logprob"] == pytest.approx(8 * (attn + head))
+  assert miss["train"] == pytest.approx(8 * (3 * 4 / 3 * attn + 4 * head))
+  assert miss["prefill"] == pytest.approx(1536 * 64 * 2.0 * 40 * 128 * 2048**2 / 64)
+  a, b = plan_est.Cost(10.0, 100.0), plan_est.Cost(30.0, 500.0)
+  assert plan_est.interpolate(a, b, 100, 300, 200) == plan_est.Cost(20.0, 300.0)
+
+
+def test_step_time_estimate_by_hand(tiny_plan):
+  config, plan = tiny_plan
+  assert "estimate" not in plan  # no datasheet peaks for a CPU
+  chip = plan_est.Chip(flops_per_s=2e9, hbm_bytes_per_s=1e9, source="by hand")
+  e = plan_est.step_estimate(config, plan, chip)
+  assert set(e["phases"]) == {"rollout", "old_logprob", "update", "rollout_continuous"}
+  roofline = lambda c: max(c["flops"] / 2e9, c["bytes"] / 1e9)
+  # Updates: 16 / 4 = 4 per step, each 32 trajectories in 2 micro-batches of 16.
+  t = plan["train"]
+  assert t["num_micro_batches"] == 2
+  update = 4 * 2 * roofline({"flops": t["flops_compiled"], "bytes": t["bytes_compiled"]})
+  assert e["phases"]["update"]["seconds"] == pytest.approx(update)
+  # Old log-probs: 16 x 8 = 128 trajectories, 16 per forward micro-batch.
+  assert e["phases"]["old_logprob"]["seconds"] == pytest.approx(
+      8 * roofline(plan["logprob"]["cost"]))
+  # Rollout: one call of 32 prompts (256 rows): a prefill, then R - 1 = 31 decode steps, 15 in
+  # the loop over 24 + 16 - 1 cache slots and 16 in the one over 24 + 32 - 1.
+  d = plan["decode"]
+  rollout = (roofline(d["prefill"]["cost"]) + 15 * roofline(d["decode_step@39"]["cost"])
+             + 16 * roofline(d["decode_step@55"]["cost"]))
+  assert e["phases"]["rollout"]["seconds"] == pytest.approx(rollout)
+  # The step total takes the configured engine's rollout (the continuous engine by default).
+  assert config.rollout.engine == "continuous" and e["rollout_engine"] == "continuous"
+  static_config = config.copy_and_resolve_references()
+  with static_config.unlocked():
+    static_config.rollout.engine = "static"
+  static = plan_est.step_estimate(static_config, plan, chip)
+  assert static["step_seconds"] == pytest.approx(
+      rollout + update + e["phases"]["old_logprob"]["seconds"])
+  # A decode step re-reads the weights and the whole cache: its bytes grow with the cache.
+  assert d["decode_step@55"]["cost"]["bytes"] > d["decode_step@39"]["cost"]["bytes"]
+  # Continuous: 256 requests of 0.25 x 32 tokens on 256 slots, 85% busy; each of the 32 prompts
+  # prefilled once (one enqueue each).
+  c = plan["continuous"]
+  assert c["enqueue_rows"] == 1 and c["slots"] == config.rollout.max_concurrent_decodes == 256
+  steps = 256 * 0.25 * 32 / (256 * 0.85)
+  assert e["phases"]["rollout_continuous"]["seconds"] == pytest.approx(
+      32 * roofline(c["enqueue"]["cost"]) + steps * roofline(c["decode_chunk"]["cost"]))
+  # MFU: the updates' model FLOPs (6 x params x tokens, no recomputation) over 8 chips' peak.
+  assert e["update_mfu"] == pytest.approx(
+      plan["flops_analytic"]["update_model"] / (update * 2e9 * 8))
+  assert e["missing"] == []
+  assert e["step_seconds"] == pytest.approx(e["phases"]["rollout_continuous"]["seconds"] + update
+                                            + e["phases"]["old_logprob"]["seconds"])
+  # A program that did not compile leaves its phase out, named, and no step total.
+  broken = plan | {"logprob": {"error": "TraceContextError: ..."}}
+  partial = plan_est.step_estimate(config, broken, chip)
+  assert partial["missing"] == ["old_logprob"] and partial["step_seconds"] is None
+  assert partial["phases"]["update"] == e["phases"]["update"]
+  assert "old log-probs" in "\n".join(plan_lib.format_estimate(broken | {"estimate": partial}))
+  text = "\n".join(plan_lib.format_estimate(plan | {"estimate": e}))
+  for phase in ("rollout (static sampler)", "old log-probs", "updates",
+                "rollout (continuous engine)", "ESTIMATE", "MFU"):
+    assert phase in text, text
 
 
 def test_cli_overrides_and_json(tmp_path, capsys):
@@ -153,6 +236,11 @@ def test_tpu_plan_compiles_for_a_topology_on_this_host():
   assert logical <= mem["argument"] <= 1.01 * logical
   assert plan["train"]["peak"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
   assert plan["rollout"]["parts"]["kv_cache_estimate"] <= plan["rollout"]["memory"]["temp"]
+  # The step-time estimate: every phase compiled for the topology, decode bound by HBM.
+  e = plan["estimate"]
+  assert e["missing"] == [] and e["step_seconds"] > 0 and 0 < e["update_mfu"] < 1
+  decode = [v for k, v in e["phases"]["rollout"]["programs"].items() if k.startswith("decode")]
+  assert decode and all(v["bound"] == "memory" for v in decode)
 
 
 # What libtpu compiled for the Qwen2.5-32B paper config (one trajectory per chip, 22528 tokens;

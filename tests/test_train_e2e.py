@@ -88,7 +88,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
   # 2 surplus groups, step 2 takes 1 batch (calls 5 and 6).
   cfg = lambda: _small_config(**{
       "algorithm.dynamic_sampling": True, "algorithm.keep_surplus": True,
-      "algorithm.gen_batch_size": 4, "rollout.prompts_per_call": 2,
+      "rollout.engine": "static", "algorithm.gen_batch_size": 4, "rollout.prompts_per_call": 2,
       "optim.train_batch_size": 6, "num_steps": 3})
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
   m_full = train_and_evaluate(cfg(), full)
@@ -202,6 +202,7 @@ def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
   monkeypatch.setattr(run_setup, "make_rollout", make_rollout)
   monkeypatch.setattr(weights.RolloutWeights, "__call__", to_rollout)
   c = _small_config(**{"model.param_dtype": "bfloat16", "model.dtype": "bfloat16",
+                       "rollout.engine": "static",  # the continuous engine: one stream a step
                        "rollout.prompts_per_call": 2})  # 4 prompts per generation batch
   c.num_steps = 2
   train_and_evaluate(c, str(tmp_path / "run"))

@@ -124,6 +124,22 @@ def test_forward_log_probs_match_model_logits(setup):
   np.testing.assert_allclose(ent, obj.entropy_from_logits(z), atol=TOL, rtol=TOL)
 
 
+def test_micro_batched_forward_with_rematerialisation(setup):
+  """With remat on (the 32B config's "full"), the micro-batched no-grad forward (the trainer's
+  old log-probs) runs and equals the one-pass forward; with the weights closed over by its
+  loop it raised flax's TraceContextError."""
+  graphdef, params, rest = nnx.split(create_model(get_preset("test", remat="full"), seed=0),
+                                     nnx.Param, ...)
+  batch = setup["batch"]
+  whole = ts.LogProbForward(graphdef, setup["cfg"], rest=rest)
+  micro = ts.LogProbForward(graphdef, setup["cfg"].replace(forward_micro_batch_size=4),
+                            rest=rest)
+  want = whole(params, batch.input_ids, batch.attention_mask, R)
+  got = micro(params, batch.input_ids, batch.attention_mask, R)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL)
+
+
 def _grads(setup, **overrides):
   cfg = setup["cfg"].replace(**overrides)
   fn = jax.jit(functools.partial(ts.loss_and_grads, setup["graphdef"], cfg))
