@@ -586,7 +586,7 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
 def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:
   config = fv.config
   if fv.layers:
-    with config.model.overrides.unlocked():  # the parsed config is locked
+    with config.model.overrides.unlocked():  # a config file may leave it empty (and locked)
       config.model.overrides.num_hidden_layers = fv.layers
   return config
 
