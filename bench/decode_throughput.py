@@ -1,6 +1,7 @@
-r"""Decode throughput of the compiled sampler against Hugging Face `generate`, same weights.
+r"""Decode throughput of the compiled sampler against its matmul floor, Tunix and `generate`.
 
     python bench/decode_throughput.py              # tiny Qwen2, B=64, P=32, R=128
+    python bench/decode_throughput.py --tunix_path DIR   # + Tunix's vanilla sampler (see below)
     python bench/decode_throughput.py --repeats 5 --wide_hidden 1024
     python bench/decode_throughput.py --baseline_path /tmp/dec_base   # old vs this dapo_jax
 
@@ -8,8 +9,17 @@ Prints a table: generated tokens/s of `transformers` `generate` and of
 `dapo_jax.rollout.Sampler` on the same random checkpoint (written by transformers, loaded with
 `dapo_jax.load_pretrained`), sampling at temperature 1 with no stop token so every row makes all
 R tokens. The engines are timed interleaved in one run (the CPU is shared; ratios are what count),
-warm-up excluded. Then decode and prefill utilisation of a wider model against the fp32 matmul
-peak measured in the same run. A benchmark, not a test: nothing here asserts a time.
+warm-up excluded. The floor is the decode's dense matmuls alone on one device (`matmul_bound_fn`).
+
+With `--tunix_path DIR` (a directory holding `google-tunix`, installed with
+`pip install --no-deps --target DIR google-tunix==0.1.7` next to the `[bench]` extra: Tunix's
+own requirements pin `safetensors<0.8` and pull its trainers' packages; see the README) it also
+times Tunix's vanilla sampler (`tunix.generate.sampler.Sampler` over `tunix.models.qwen2`, loaded
+from the same safetensors) at temperature 1, and first checks that Tunix's model gives the same
+logits as ours.
+
+Then decode and prefill utilisation of a wider model against the fp32 matmul peak measured in
+the same run. A benchmark, not a test: nothing here asserts a time.
 
 With `--baseline_path DIR` (a directory holding another `dapo_jax` package, e.g. from
 `git archive main dapo_jax | tar -x -C DIR`) it instead times that Sampler against this one on the
@@ -99,12 +109,95 @@ def jax_generate_fn(model, ids: np.ndarray, new_tokens: int, num_devices: int = 
   return run
 
 
-def matmul_bound_fn(model, batch: int, new_tokens: int):
+def _import_tunix(tunix_path: str):
+  """Tunix's sampler and Qwen2 modules from `tunix_path`, without `tunix/__init__.py`.
+
+  The package's `__init__` imports its trainers (metrax, grain, qwix, ...), which the sampler
+  does not use; a bare package object with the same `__path__` loads only the submodules asked
+  for.
+  """
+  import importlib  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  pkg_dir = os.path.join(os.path.abspath(tunix_path), "tunix")
+  if not os.path.isdir(pkg_dir):
+    raise FileNotFoundError(f"--tunix_path {tunix_path!r} holds no tunix/ package; install it "
+                            f"with pip install --no-deps --target DIR google-tunix (see the "
+                            f"module docstring).")
+  sys.path.insert(0, os.path.abspath(tunix_path))
+  pkg = types.ModuleType("tunix")
+  pkg.__path__ = [pkg_dir]
+  sys.modules.setdefault("tunix", pkg)
+  return (importlib.import_module("tunix.generate.sampler"),
+          importlib.import_module("tunix.models.qwen2.model"),
+          importlib.import_module("tunix.models.qwen2.params"))
+
+
+class _IdTokenizer:
+  """Tunix's sampler takes strings: these are the prompt ids, space-separated. Pad and EOS are
+  ids past the vocabulary, so no prompt or sampled token is either (every row makes R tokens)."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+  def encode(self, text: str) -> list[int]:
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids) -> str:
+    return " ".join(str(int(t)) for t in ids)
+
+  def bos_id(self):
+    return None
+
+  def pad_id(self) -> int:
+    return self.vocab_size
+
+  def eos_id(self) -> int:
+    return self.vocab_size + 1
+
+
+def tunix_generate_fn(tunix_path: str, ckpt: str, ids: np.ndarray, new_tokens: int,
+                      ours=None):
+  """Tunix's vanilla sampler (one device) on the same checkpoint, temperature 1, top-p 1.
+
+  With `ours` (our model on the same checkpoint), first prints the largest logit difference of
+  the two models over the prompts, so the comparison is known to run the same network.
+  """
+  sampler_lib, model_lib, params_lib = _import_tunix(tunix_path)
+  t = TINY
+  cfg = model_lib.ModelConfig(
+      num_layers=t["num_hidden_layers"], vocab_size=t["vocab_size"],
+      embed_dim=t["hidden_size"], hidden_dim=t["intermediate_size"],
+      num_heads=t["num_attention_heads"], head_dim=t["hidden_size"] // t["num_attention_heads"],
+      num_kv_heads=t["num_key_value_heads"], rope_theta=10000, norm_eps=1e-6)
+  model = params_lib.create_model_from_safe_tensors(ckpt, cfg)
+  b, p = ids.shape
+  if ours is not None:
+    pos = jnp.broadcast_to(jnp.arange(p), (b, p))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((p, p), bool)), (b, p, p))
+    theirs_logits, _ = model(jnp.asarray(ids), pos, None, causal)
+    diff = float(jnp.max(jnp.abs(theirs_logits - ours(jnp.asarray(ids)))))
+    print(f"Tunix Qwen2 vs dapo_jax logits on the prompts: max |diff| {diff:.2e}")
+  sampler = sampler_lib.Sampler(model, _IdTokenizer(t["vocab_size"]), sampler_lib.CacheConfig(
+      cache_size=p + new_tokens, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim))
+  prompts = [" ".join(str(int(x)) for x in row) for row in ids]
+  calls = [0]
+
+  def run():
+    calls[0] += 1
+    out = sampler(prompts, max_generation_steps=new_tokens, max_prompt_length=p,
+                  temperature=1.0, top_p=1.0, seed=calls[0])
+    assert all(len(tok) == new_tokens for tok in out.tokens)  # host copy: the call is done
+  return run
+
+
+def matmul_bound_fn(model, batch: int, new_tokens: int, num_devices: int = 1):
   """The decode's dense matmuls ALONE (no attention, norms, RoPE, sampling, cache writes).
 
   Same weights and [B, D] shapes as each decode step, chained so XLA keeps every product:
-  its time is a floor for any decode of this model on this CPU, and `3 x generate` can be
-  checked against it in the same run.
+  its time is a floor for any decode of this model on this CPU, measured in the same run. With
+  ``num_devices`` > 1 the rows split over that many CPU devices, weights replicated: the floor
+  of the sampler's data-parallel layout.
   """
   d = model.config.hidden_size
   weights = []
@@ -125,6 +218,9 @@ def matmul_bound_fn(model, batch: int, new_tokens: int):
       return x + jnp.sum(x @ head, -1, keepdims=True) * 1e-6
     return jax.lax.fori_loop(0, new_tokens - 1, body, x_BxD)
   x = jnp.ones((batch, model.config.hidden_size), jnp.float32) * 1e-3
+  if num_devices > 1:
+    mesh = shd.make_mesh([("data", num_devices)], devices=jax.devices()[:num_devices])
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
   return lambda: steps(x).block_until_ready()
 
 
@@ -204,6 +300,9 @@ def main():
                   help="a directory holding an older dapo_jax: time its Sampler against this "
                        "one instead (alternating subprocesses)")
   ap.add_argument("--rounds", type=int, default=4, help="alternations with --baseline_path")
+  ap.add_argument("--tunix_path", default="",
+                  help="a directory holding google-tunix (pip install --no-deps --target): "
+                       "also time Tunix's vanilla sampler on the same checkpoint")
   ap.add_argument("--_child", dest="child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.child:
@@ -220,16 +319,21 @@ def main():
 
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = write_hf_checkpoint(tmp, **TINY)
+    ours_model = dapo_jax.load_pretrained(ckpt)
     engines = {
         "transformers generate (default threads)": hf_generate_fn(ckpt, ids, r),
         "transformers generate (1 torch thread)": hf_generate_fn(ckpt, ids, r, threads=1),
-        "dapo_jax Sampler": jax_generate_fn(dapo_jax.load_pretrained(ckpt), ids, r),
-        **({f"dapo_jax Sampler, prompts over {args.cpu_devices} CPU devices": jax_generate_fn(
-            dapo_jax.load_pretrained(ckpt), ids, r, args.cpu_devices)}
-           if args.cpu_devices > 1 else {}),
-        "floor: the decode's matmuls alone": matmul_bound_fn(dapo_jax.load_pretrained(ckpt),
-                                                             b, r),
+        **({"Tunix vanilla Sampler (one device)": tunix_generate_fn(
+            args.tunix_path, ckpt, ids, r, ours=ours_model)} if args.tunix_path else {}),
+        "dapo_jax Sampler": jax_generate_fn(ours_model, ids, r),
+        "floor: the decode's matmuls alone": matmul_bound_fn(ours_model, b, r),
     }
+    if args.cpu_devices > 1:
+      n = args.cpu_devices
+      engines[f"dapo_jax Sampler, prompts over {n} CPU devices"] = jax_generate_fn(
+          dapo_jax.load_pretrained(ckpt), ids, r, n)
+      engines[f"floor: the decode's matmuls alone, rows over {n} CPU devices"] = (
+          matmul_bound_fn(ours_model, b, r, n))
     for fn in engines.values():
       fn()  # warm-up (and compile)
     times = {name: [] for name in engines}
@@ -246,11 +350,16 @@ def main():
     pairs = statistics.median(h / o for h, o in zip(ts, ours_t))
     print(f"| {name} | {b * r / min(ts):,.0f} | {b * r / statistics.median(ts):,.0f} | "
           f"{pairs:.2f}x, {min(ts) / min(ours_t):.2f}x |")
-  floor = min(times["floor: the decode's matmuls alone"])
-  hf = min(min(ts) for name, ts in times.items() if name.startswith("transformers"))
-  print(f"\n3x the faster `generate` is {3 * b * r / hf:,.0f} tok/s; the matmul floor allows at "
-        f"most {b * r / floor:,.0f} tok/s on one device ({hf / floor:.2f}x `generate`); {ours!r} "
-        f"reaches {floor / min(ours_t):.0%} of the floor's speed.")
+  # Each sampler layout against the floor of the same layout (same round, then best/best).
+  floors = {"dapo_jax Sampler": "floor: the decode's matmuls alone"}
+  if args.cpu_devices > 1:
+    floors[f"dapo_jax Sampler, prompts over {args.cpu_devices} CPU devices"] = (
+        f"floor: the decode's matmuls alone, rows over {args.cpu_devices} CPU devices")
+  print()
+  for name, floor_name in floors.items():
+    ts, fs = times[name], times[floor_name]
+    print(f"{name!r}: {statistics.median(f / t for f, t in zip(fs, ts)):.0%} of its matmul "
+          f"floor's speed (median of rounds; best/best {min(fs) / min(ts):.0%}).")
 
   if args.wide_hidden:
     utilisation(args.wide_hidden, b, p, r, args.repeats)
