@@ -140,6 +140,9 @@ def default_config() -> ml_collections.ConfigDict:
   # "auto" = $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache; "off"; or a
   # directory (local or gs://). dapo-eval and dapo-serve use it too (dapo_jax/compile_cache.py).
   c.compilation_cache_dir = "auto"
+  # libtpu's windowed einsum (collective matmul) for all-gathers/reduce-scatters: off by default,
+  # as from fsdp 8 up its buffers stay live across all layers (dapo_jax/libtpu_flags.py).
+  c.tpu_windowed_einsum = False
 
   # Device meshes as data, [(axis, size), ...] over ("data", "fsdp", "tensor"); one size may be
   # -1 (the remaining devices). Training lays parameters out by sharding.TRAIN_RULES on `mesh`;

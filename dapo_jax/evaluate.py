@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from dapo_jax import cli
 from dapo_jax import compile_cache
+from dapo_jax import libtpu_flags
 from dapo_jax import eval_metrics
 from dapo_jax import distributed
 from dapo_jax import generation
@@ -129,6 +130,7 @@ def evaluate_policy(config: ml_collections.ConfigDict, policy: policy_lib.Policy
 def main(argv: Sequence[str]) -> dict[str, float]:
   fv = _parse(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
   distributed.maybe_initialize()
   config = fv.config
   compile_cache.setup(config, cli.expand(fv.workdir))

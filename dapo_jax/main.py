@@ -37,7 +37,8 @@ def main(argv):
                       stream=sys.stdout, force=True)
   for noisy in ("absl", "jax._src", "orbax", "tensorflow"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  from dapo_jax import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
+  libtpu_flags.apply(_CONFIG.value)  # before anything starts JAX's backends
   distributed.maybe_initialize()
   from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
   train_and_evaluate(cli.expand_paths(_CONFIG.value), cli.expand(_WORKDIR.value))

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dapo_jax import cli
 from dapo_jax import config as config_lib
+from dapo_jax import libtpu_flags
 from dapo_jax import plan_estimates as est
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
@@ -631,8 +632,10 @@ def prepare_libtpu_env(target: str, environ=None) -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fv = _parse(sys.argv[1:] if argv is None else argv)
   prepare_libtpu_env(fv.target)  # before parse_target loads the backends (and libtpu)
+  config = configure(fv)
+  libtpu_flags.apply(config)  # the trainer's compiler options (dapo-train applies the same)
   target = parse_target(fv.target)
-  plan = make_plan(configure(fv), target)
+  plan = make_plan(config, target)
   print(format_plan(plan))
   if fv.json:
     epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))

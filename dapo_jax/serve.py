@@ -38,6 +38,7 @@ from absl import flags
 
 from dapo_jax import cli
 from dapo_jax import compile_cache
+from dapo_jax import libtpu_flags
 
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams
@@ -82,6 +83,7 @@ def build_engine(fv):
   from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
   config = fv.config
+  libtpu_flags.apply(config)
   compile_cache.setup(config, cli.expand(fv.workdir))
   mesh = policy_lib.sampling_mesh(config)
   model, tokenizer = load_model(config, workdir=cli.expand(fv.workdir), step=fv.step, mesh=mesh)

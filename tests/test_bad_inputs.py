@@ -85,8 +85,11 @@ class _OneMixedGroupPerBatch(RewardScorer):
 
 
 def _sampling_config(**over):
+  # The static engine scores one generation batch per scorer call, which the batch pattern of
+  # `_OneMixedGroupPerBatch` relies on; the streaming case is the last test of this group.
   c = _small_config(**{"algorithm.dynamic_sampling": True, "algorithm.gen_batch_size": 2,
                        "optim.train_batch_size": 4, "optim.mini_batch_size": 2,
+                       "rollout.engine": "static",
                        # two generation batches per epoch
                        "data.arithmetic.num_train": 4, **over})
   c.num_steps = 1
@@ -132,6 +135,24 @@ def test_max_num_gen_batches_checkpoints_the_groups(tmp_path, monkeypatch):
   second = _saved_meta(workdir, 0)["sampler"]["carried"]
   assert [g["prompt"] for g in second[:2]] == [g["prompt"] for g in first]
   assert len(second) == 3
+
+
+def test_streaming_rollout_stopped_by_the_dataset_checkpoints_the_groups(tmp_path, monkeypatch):
+  """The continuous engine scores groups as they complete (not one batch per call), so the
+  kept count depends on the poll layout; the message and the checkpoint must agree on it."""
+  monkeypatch.setattr(run_setup, "RewardScorer", _OneMixedGroupPerBatch)
+  monkeypatch.setattr(_OneMixedGroupPerBatch, "closed", [])
+  workdir = str(tmp_path / "run")
+  with pytest.raises(train_lib.SamplingStoppedError) as info:
+    train_lib.train_and_evaluate(
+        _sampling_config(**{"data.num_epochs": 1, "rollout.engine": "continuous"}), workdir)
+  msg = str(info.value)
+  meta = _saved_meta(workdir, 0)
+  kept = len(meta["sampler"]["carried"])
+  assert 1 <= kept < 4 and f"{kept}/4 groups gathered" in msg, msg
+  assert f"The {kept} group(s) gathered are saved with a checkpoint of step 0" in msg, msg
+  assert all(sum(g["acc"]) == 1 for g in meta["sampler"]["carried"])  # the mixed groups only
+  assert meta["iterator"]["epoch"] == 1 and _OneMixedGroupPerBatch.closed == [True]
 
 
 # Calls that unpickle (run code from) a file; checkpoints and weights must never use them.

@@ -166,6 +166,7 @@ def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
     serve.parse_args([f"--workdir={workdir}"])
   run_config = cli.get_config()
   run_config.model.checkpoint = ckpt  # the architecture (config.json) the run started from
+  run_config.model.scan_layers = False  # the layout `model` (and so the saved step) has
   (workdir / "config.json").write_text(run_config.to_json_best_effort())
   fv = serve.parse_args([f"--workdir={workdir}", "--config.mesh=data=4,tensor=2"])
   from dapo_jax import policy  # pylint: disable=g-import-not-at-top
