@@ -3,7 +3,6 @@
 The splash kernel runs in Pallas interpret mode on CPU, against the XLA einsum reference.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,8 @@ from flax import nnx
 
 from dapo_jax import sharding as shd
 from dapo_jax.models import attention, create_model, get_preset
+from dapo_jax.models.kv_cache import KVCache
+from tests.hlo_checks import big_copies
 
 B, T, H, K, E = 2, 128, 4, 2, 32
 
@@ -165,11 +166,8 @@ def test_kv_cache_decode_step_never_copies_the_cache(same_slot, scan):
 
   args = (state, cache, jnp.zeros((n,), jnp.int32), jnp.full((n,), 5, jnp.int32))
   hlo = jax.jit(step, donate_argnums=1).lower(*args).compile().as_text()
-  cache_elems = int(np.prod(cache.k[0].shape))
-  big_copies = [m.group(0) for m in re.finditer(r"\w+\[([\d,]+)\]\{[^}]*\} (transpose|copy)\(",
-                                                hlo)
-                if np.prod([int(d) for d in m.group(1).split(",")]) >= cache_elems]
-  assert not big_copies, big_copies
+  copies = big_copies(hlo, int(np.prod(cache.k[0].shape)))
+  assert not copies, copies
 
 
 def test_sampler_and_engine_prefill_through_the_kernel_decode_through_the_cache(monkeypatch):
@@ -220,3 +218,28 @@ def test_the_run_says_when_auto_attention_falls_back_to_xla(platform, dtype, pro
     assert note is None
   else:
     assert expect in note, note
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+def test_kv_cache_copy_row_is_insert_of_one_row(stacked):
+  """`copy_row` (the continuous engine's in-place admission) writes what `insert` writes for
+  that one row: keys, values, valid slots (past the prompt: invalid) and the index; other rows
+  untouched."""
+  rng = np.random.RandomState(5)
+
+  def filled(rows, length):
+    c = KVCache.zeros(3, rows, length, 2, 4, jnp.float32, stacked=stacked)
+    fill = lambda x: jnp.asarray(rng.randn(*x.shape), jnp.float32)
+    return c.replace(k=jax.tree.map(fill, c.k), v=jax.tree.map(fill, c.v),
+                     valid=jnp.asarray(rng.rand(rows, length) < 0.5),
+                     index=jnp.asarray(rng.randint(0, length, rows), jnp.int32))
+
+  dst, src = filled(5, 12), filled(3, 7)
+  got = jax.jit(lambda d, s: d.copy_row(s, jnp.int32(2), jnp.int32(3), jnp.int32(9)))(dst, src)
+  row = (lambda x: x[:, 2:3]) if stacked else (lambda x: x[2:3])
+  src_row = KVCache(k=jax.tree.map(row, src.k), v=jax.tree.map(row, src.v),
+                    valid=src.valid[2:3], index=jnp.asarray([9], jnp.int32))
+  want = dst.insert(src_row, jnp.asarray([3]))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.asarray(got.valid)[3, 7:].any()

@@ -10,8 +10,10 @@ from flax import nnx
 from dapo_jax import sharding as shd
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout import continuous
+from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
+from tests.hlo_checks import big_copies
 
 R = 12
 G = 3
@@ -139,7 +141,7 @@ def test_bad_budget_raises(split_model):
 
 
 def test_scanned_model_decodes_the_same_rows(split_model, reference):
-  """A scanned model (`scan_layers`: one stacked cache, vmapped insert / repeat / grow): the
+  """A scanned model (`scan_layers`: one stacked cache, row copies of all layers at once): the
   continuous sampler's rows (greedy, with budgets) and the static sampler's G sampled rows are
   the unrolled model's (same seed, same weights)."""
   ref_tokens, ref_logprobs, eos = reference
@@ -164,3 +166,26 @@ def test_scanned_model_decodes_the_same_rows(split_model, reference):
                                               sampled, num_samples=2)
   np.testing.assert_array_equal(scanned.response_ids, unrolled.response_ids)
   np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_chunk_program_never_copies_the_cache(scan):
+  """A decode step of the chunk loop, admission included, touches the KV cache in place: no
+  copy or transpose of a cache-sized array in the compiled chunk (admitting through a
+  `lax.switch` that returned the engine copied every layer's cache twice per step, 1.2x the
+  static sampler's step time)."""
+  graphdef, state = nnx.split(create_model(get_preset("test", scan_layers=scan), seed=0))
+  sampler = continuous.ContinuousSampler(graphdef, num_slots=8, chunk_steps=4,
+                                         max_prefill_length=16)
+  params = SamplingParams(temperature=1.0, max_new_tokens=R)
+  stream = sampler.open_stream(state, params=params, num_samples=2, key=jax.random.key(0))
+  stream.admit([5, 6, 7], prompt_index=0)
+  stream._enqueue()
+  engine = stream._engine
+  hlo = prog.chunk_program.lower(
+      stream._state, engine, stream._key, np.asarray(True), graphdef=graphdef, params=params,
+      mesh=None, chunk_steps=4, max_admit=sampler.max_admit).compile().as_text()
+  k = engine.slots.decode.cache.k
+  layer_elems = int(np.prod(k.shape[1:] if scan else k[0].shape))
+  copies = big_copies(hlo, layer_elems)
+  assert not copies, copies

@@ -99,6 +99,32 @@ class KVCache:
     return KVCache(k=per_layer(put_k, self.k, src.k), v=per_layer(put_v, self.v, src.v),
                    valid=put(self.valid, valid_MxS), index=put(self.index, src.index))
 
+  def copy_row(self, src: KVCache, src_row: jax.Array, dst_row: jax.Array,
+               index: jax.Array) -> KVCache:
+    """`insert` of ONE row: `src`'s row `src_row` (P <= S slots) into row `dst_row`, slots
+    [0, P), the row's later slots invalid, its next write at `index`.
+
+    One dynamic_update_slice per array (a stacked cache's [L, ...] arrays take all layers at
+    once), so XLA writes in place inside a loop: admitting a few rows per decode step costs
+    those rows, where a scatter of a padded row batch under `lax.cond` copied the whole cache.
+    """
+    axis = 1 if self.stacked else 0
+
+    def put(dst: jax.Array, x: jax.Array) -> jax.Array:
+      row = jax.lax.dynamic_slice_in_dim(x, src_row, 1, axis).astype(dst.dtype)
+      start = [0] * dst.ndim
+      start[axis] = dst_row
+      return jax.lax.dynamic_update_slice(dst, row, tuple(start))
+
+    each = (lambda f, a, b: f(a, b)) if self.stacked else (
+        lambda f, a, b: tuple(map(f, a, b)))
+    valid_1xS = jax.lax.dynamic_update_slice(
+        jnp.zeros((1, self.max_length), bool),
+        jax.lax.dynamic_slice_in_dim(src.valid, src_row, 1, 0), (0, 0))
+    return KVCache(k=each(put, self.k, src.k), v=each(put, self.v, src.v),
+                   valid=jax.lax.dynamic_update_slice(self.valid, valid_1xS, (dst_row, 0)),
+                   index=self.index.at[dst_row].set(index))
+
 
 def write_step(k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array, kn_NxKxE: jax.Array,
                vn_NxKxE: jax.Array, slot: jax.Array, layer: jax.Array | None = None

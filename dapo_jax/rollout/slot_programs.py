@@ -7,10 +7,11 @@ slots, K decode steps per chunk, A most slots admitted per step.
 * `enqueue_program`: prefills M prompts ONCE each into free queue entries (their cache and the
   hidden state of their last token); their G samples wait there for slots.
 * `chunk_program`: a `lax.while_loop` of up to K steps. Each step first admits queued samples
-  into the free slots (first come, first served: the prompt's cache row is copied into each of
-  its samples' slots and the sample's first token drawn from the prompt's hidden state), then
-  runs one `slots.decode_step` over all N slots (the static sampler's `model.decode_step`).
-  Every live slot emits the token it feeds; a slot frees itself after its stop token or budget.
+  into the free slots (first come, first served: the prompt's cache row is copied, in place,
+  into each of its samples' slots and the sample's first token drawn from the prompt's hidden
+  state), then runs one `slots.decode_step` over all N slots (the static sampler's
+  `model.decode_step`). Every live slot emits the token it feeds; a slot frees itself after its
+  stop token or budget.
   The loop ends after K steps, when nothing is left to decode, or when the queue runs dry while
   a slot is free and the host has prompts to enqueue. Its outputs are replicated, so the host
   reads them (once per chunk) on every process.
@@ -131,9 +132,33 @@ def enqueue_program(state, engine: Engine, tokens_MxP, true_length_M, key_id_M, 
   return engine.replace(queue=queue)
 
 
-def _admit(model, engine: Engine, base_key_data, params: SamplingParams, max_admit: int
-           ) -> Engine:
-  """Places up to `max_admit` queued samples, oldest prompt first, into the free slots."""
+@flax.struct.dataclass
+class _Admission:
+  """The samples one step places, padded to `max_admit`: entries past `count` have slot N
+  (dropped). Small arrays only: the cache rows are copied by `_place`."""
+  slot: jax.Array  # [A] int32
+  entry: jax.Array  # [A] int32 queue entry of the prompt
+  token: jax.Array  # [A] int32 first response token
+  logprob: jax.Array  # [A] fp32
+  position: jax.Array  # [A] int32
+  key: jax.Array  # [A, 2] uint32
+  owner: jax.Array  # [A] int32
+  budget: jax.Array  # [A] int32
+  count: jax.Array  # [] int32 samples placed (the first `count` entries)
+  placed: jax.Array  # [Q] int32 the queue's `placed` after this admission
+
+
+def _no_admission(engine: Engine, pad_to: int) -> _Admission:
+  n, z = engine.slots.live.shape[0], jnp.zeros((pad_to,), jnp.int32)
+  return _Admission(slot=z + n, entry=z, token=z, logprob=z.astype(jnp.float32), position=z,
+                    key=jnp.zeros((pad_to, 2), jnp.uint32), owner=z - 1, budget=z,
+                    count=jnp.zeros((), jnp.int32), placed=engine.queue.placed)
+
+
+def _choose(model, engine: Engine, base_key_data, params: SamplingParams, max_admit: int,
+            pad_to: int) -> _Admission:
+  """Up to `max_admit` queued samples, oldest prompt first, for the free slots; their first
+  tokens sampled from the prompts' hidden states."""
   q, s = engine.queue, engine.slots
   g, n = q.budget.shape[1], s.live.shape[0]
   free_N = ~s.live
@@ -141,24 +166,41 @@ def _admit(model, engine: Engine, base_key_data, params: SamplingParams, max_adm
   left_Q = (g - q.placed)[order_Q]
   end_Q = jnp.cumsum(left_Q)
   r_A = jnp.arange(max_admit)
-  ok_A = r_A < jnp.minimum(end_Q[-1], free_N.sum())
+  count = jnp.minimum(jnp.minimum(end_Q[-1], free_N.sum()), max_admit).astype(jnp.int32)
+  ok_A = r_A < count
   # The r-th free slot takes the r-th waiting sample.
   slot_A = jnp.where(ok_A, jnp.nonzero(free_N, size=max_admit, fill_value=n)[0], n)
   j_A = jnp.minimum(jnp.searchsorted(end_Q, r_A, side="right"), end_Q.shape[0] - 1)
   entry_A = order_Q[j_A]
   sample_A = q.placed[entry_A] + r_A - (end_Q[j_A] - left_Q[j_A])
   keys_Ax2 = request_keys(base_key_data, jnp.stack([q.key_id[entry_A], sample_A], -1))
-  rows = lambda x: x[entry_A]
-  cache = KVCache(k=per_layer(rows, q.cache.k), v=per_layer(rows, q.cache.v),
-                  valid=rows(q.cache.valid), index=rows(q.position))
-  prefix = sl.first_tokens(model, cache, rows(q.hidden), rows(q.position), keys_Ax2, params)
-  put = lambda dst, src: dst.at[slot_A].set(src, mode="drop")
-  slots = Slots(decode=sl.insert_rows(prefix, s.decode, slot_A), live=put(s.live, ok_A),
-                owner=put(s.owner, q.seq[entry_A] * g + sample_A),
-                count=put(s.count, jnp.zeros_like(sample_A)),
-                budget=put(s.budget, q.budget[entry_A, jnp.minimum(sample_A, g - 1)]))
-  queue = q.replace(placed=q.placed.at[entry_A].add(ok_A.astype(jnp.int32)))
-  return Engine(queue=queue, slots=slots)
+  position_A = q.position[entry_A]
+  token_A, logprob_A = sl.sample_first(model, q.hidden[entry_A], position_A, keys_Ax2, params)
+  pad = lambda x, v: jnp.pad(x, [(0, pad_to - max_admit)] + [(0, 0)] * (x.ndim - 1),
+                             constant_values=v)
+  return _Admission(slot=pad(slot_A, n), entry=pad(entry_A, 0), token=pad(token_A, 0),
+                    logprob=pad(logprob_A, 0), position=pad(position_A, 0),
+                    key=pad(keys_Ax2, 0), owner=pad(q.seq[entry_A] * g + sample_A, -1),
+                    budget=pad(q.budget[entry_A, jnp.minimum(sample_A, g - 1)], 0), count=count,
+                    placed=q.placed.at[entry_A].add(ok_A.astype(jnp.int32)))
+
+
+def _place(engine: Engine, adm: _Admission) -> Engine:
+  """Writes an admission into its slots. The prompts' cache rows are copied one by one by a
+  loop of `count` in-place row copies (none on the usual step), never the whole cache."""
+  q, s = engine.queue, engine.slots
+  d = s.decode
+  cache = jax.lax.fori_loop(
+      0, adm.count, lambda i, c: c.copy_row(q.cache, adm.entry[i], adm.slot[i], adm.position[i]),
+      d.cache)
+  put = lambda dst, src: dst.at[adm.slot].set(src.astype(dst.dtype), mode="drop")
+  zeros = jnp.zeros_like(adm.slot)
+  decode = d.replace(cache=cache, token=put(d.token, adm.token),
+                     logprob=put(d.logprob, adm.logprob), position=put(d.position, adm.position),
+                     length=put(d.length, zeros), key=put(d.key, adm.key))
+  slots = Slots(decode=decode, live=put(s.live, zeros == 0), owner=put(s.owner, adm.owner),
+                count=put(s.count, zeros), budget=put(s.budget, adm.budget))
+  return Engine(queue=q.replace(placed=adm.placed), slots=slots)
 
 
 @flax.struct.dataclass
@@ -189,15 +231,17 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
 
     def body(c: _Carry) -> _Carry:
       e = c.engine
-      # Admission costs what it may place (first-token logits, cache rows copied), so the
-      # usual step, with a slot or two free, takes a small variant.
+      # Choosing costs the first-token logits of what it may place, so the usual step, with a
+      # slot or two free, takes a small variant. The switch returns small arrays only: a
+      # branch returning the engine made XLA copy the whole KV cache twice per step.
       can = jnp.minimum((~e.slots.live).sum(), queued(e))
       sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
-      branches = [lambda e: e] + [
-          functools.partial(_admit, model, base_key_data=base_key_data, params=params,
-                            max_admit=a) for a in sizes]
-      e = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
-                         branches, e)
+      branches = [functools.partial(_no_admission, pad_to=max_admit)] + [
+          functools.partial(_choose, model, base_key_data=base_key_data, params=params,
+                            max_admit=a, pad_to=max_admit) for a in sizes]
+      adm = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
+                           branches, e)
+      e = _place(e, adm)
       s = e.slots
       decode, fed_N, lp_N, _ = sl.decode_step(model, s.decode, params)
       count_N = s.count + s.live

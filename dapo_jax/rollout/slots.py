@@ -5,7 +5,8 @@ continuous-batching driver (rollout/continuous.py); nothing here imports jetstre
 prefilled prompts, P prompt slots, N decode slots, S cache slots, V vocab.
 
 * `prefill_hidden`: right-padded prompts through `model.prefill` (cache + last hidden state).
-* `first_tokens` / `prefill_rows`: the first response token sampled from a prefilled row.
+* `sample_first` / `first_tokens` / `prefill_rows`: the first response token sampled from a
+  prefilled row.
 * `insert_rows`: prefixes copied into free slots of a `DecodeState`.
 * `decode_step`: every slot's pending token through `model.decode_step`, the next one sampled.
 
@@ -76,11 +77,17 @@ def prefill_hidden(model: Qwen2ForCausalLM, tokens_MxP: jax.Array, true_length_M
   return cache.replace(index=used_M), h_MxD, real_MxP.sum(-1, dtype=jnp.int32)
 
 
+def sample_first(model: Qwen2ForCausalLM, h_MxD: jax.Array, position_M: jax.Array,
+                 keys_Mx2: jax.Array, sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
+  """The first response token and its log-prob, from the hidden state at a prompt's end."""
+  return sample_rows(model.logits_from_hidden(h_MxD[:, None])[:, 0], keys_Mx2, position_M,
+                     sampling)
+
+
 def first_tokens(model: Qwen2ForCausalLM, cache: KVCache, h_MxD: jax.Array, position_M: jax.Array,
                  keys_Mx2: jax.Array, sampling: SamplingParams) -> Prefix:
   """Samples each prefilled row's first response token (at `position_M`, key `keys_Mx2`)."""
-  token_M, logprob_M = sample_rows(model.logits_from_hidden(h_MxD[:, None])[:, 0], keys_Mx2,
-                                   position_M, sampling)
+  token_M, logprob_M = sample_first(model, h_MxD, position_M, keys_Mx2, sampling)
   return Prefix(cache=cache, token=token_M, logprob=logprob_M, position=position_M, key=keys_Mx2)
 
 
