@@ -196,8 +196,8 @@ def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: st
                 "bytes_compiled": cost.bytes}
 
 
-def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
-  """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
+def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
+  """The train step lowered for one optimizer update on a mini-batch, with its abstract inputs."""
   tcfg = run_setup.train_config(config)
   graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
   # As `init_train_state`: fp32 master weights (and so fp32 Adam moments) for a bf16 model.
@@ -215,7 +215,15 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
                      old_log_probs=sds((rows, r), jnp.float32),
                      advantages=sds((rows,), jnp.float32),
                      truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None)
-  compiled, oom, seconds = _compile(TrainStep(graphdef, tcfg, mesh).lower(state, batch))
+  return TrainStep(graphdef, tcfg, mesh).lower(state, batch), state, batch, tcfg
+
+
+def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+  """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
+  lowered, state, batch, tcfg = _train_program(config, mcfg, mesh)
+  params, opt_state = state.params, state.opt_state
+  rows = batch.input_ids.shape[0]
+  compiled, oom, seconds = _compile(lowered)
   sh = shd.state_shardings(state, mesh, shd.TRAIN_RULES)
   batch_sh = jax.tree.map(lambda x: shd.batch_sharding(mesh, shd.TRAIN_RULES, x.ndim, x.shape[0]),
                           batch)
@@ -226,6 +234,13 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   return _summary(compiled, oom, seconds, parts, "activations_and_temp") | {
       "num_micro_batches": tcfg.num_micro_batches, "rows": rows,
       "state_bytes": parts["params"] + parts["opt_state"]}
+
+
+def compile_train_cost(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+  """The train step compiled for its cost alone: one micro-batch loop body (with the
+  optimizer update, a small overcount) per run."""
+  lowered, _, _, tcfg = _train_program(config, mcfg, mesh)
+  return _lower_and_cost(lowered) | {"num_micro_batches": tcfg.num_micro_batches}
 
 
 def sampling_params(config, mcfg: Qwen2Config) -> SamplingParams:
@@ -388,13 +403,8 @@ def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
       state, engine, sds(key_data.shape, key_data.dtype, sharding=rep),
       sds((), bool, sharding=rep), graphdef=graphdef, params=sp, mesh=prog_mesh,
       chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit)
-  out = {"engine_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine))
-                         // max(1, mesh.size)}
-  for name, lowered in (("enqueue", enqueue), ("decode_chunk", chunk)):
-    compiled, oom, seconds = _compile(lowered)
-    out[name] = ({"oom": oom} if compiled is None else
-                 {"cost": dataclasses.asdict(_cost(compiled)), "memory": _mem(compiled),
-                  "peak": peak_bytes(_mem(compiled))}) | {"compile_seconds": round(seconds, 1)}
+  out = {name: _lower_and_cost(lowered)
+         for name, lowered in (("enqueue", enqueue), ("decode_chunk", chunk))}
   return out | {"slots": sampler.num_slots, "enqueue_rows": m, "queue_prompts": q,
                 "chunk_steps": sampler.chunk_steps}
 
@@ -405,6 +415,23 @@ def _reported(compile_fn, *args) -> dict[str, Any]:
     return compile_fn(*args)
   except Exception as err:  # pylint: disable=broad-except
     return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
+# Depths the estimate's programs are compiled at (unrolled) to get their cost at the model's.
+COST_DEPTHS = (1, 2)
+
+
+def _costs_at_depth(compile_fn, *args, config, mcfg: Qwen2Config) -> dict[str, Any]:
+  """``compile_fn(config, mcfg, *args)`` with every program cost at the model's depth.
+
+  XLA's cost analysis counts a loop body once, so a scanned decoder (``scan_layers``) would
+  count one of its layers. A program's cost is affine in the number of layers, so it is compiled
+  with ``COST_DEPTHS`` unrolled layers (small, quick compiles) and extrapolated
+  (``plan_estimates.costs_at_depth``); the memory figures come from the full programs.
+  """
+  runs = [_reported(compile_fn, config, mcfg.replace(num_hidden_layers=d, scan_layers=False),
+                    *args) for d in COST_DEPTHS]
+  return est.costs_at_depth(runs[0], runs[1], COST_DEPTHS, mcfg.num_hidden_layers)
 
 
 def make_plan(config: ml_collections.ConfigDict, target: Target,
@@ -444,10 +471,13 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
       plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
       if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
         sp = sampling_params(config, mcfg)
+        at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
+        plan["cost_depths"] = list(COST_DEPTHS)
+        plan["train_cost"] = at_depth(compile_train_cost, train_mesh)
         if not config.rollout.use_sampler_logprobs:
-          plan["logprob"] = _reported(compile_logprob, config, mcfg, train_mesh)
-        plan["decode"] = _reported(compile_decode_costs, config, mcfg, rollout_mesh, sp)
-        plan["continuous"] = _reported(compile_continuous, config, mcfg, rollout_mesh, sp)
+          plan["logprob"] = at_depth(compile_logprob, train_mesh)
+        plan["decode"] = at_depth(compile_decode_costs, rollout_mesh, sp)
+        plan["continuous"] = at_depth(compile_continuous, rollout_mesh, sp)
     plan["attention"] = attention.resolve_impl(
         config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
         seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
@@ -552,7 +582,7 @@ def format_estimate(plan: dict[str, Any]) -> list[str]:
     lines.append(f"    {label:<29}{_seconds(e['step_seconds'])}  "
                  f"update MFU {100 * e['update_mfu']:.0f}% (estimate)")
   for phase in e["missing"]:  # its programs did not compile: their errors are in the plan
-    key = {"rollout": "decode", "old_logprob": "logprob", "update": "train",
+    key = {"rollout": "decode", "old_logprob": "logprob", "update": "train_cost",
            "rollout_continuous": "continuous"}[phase]
     why = plan.get(key, {}).get("error") or plan.get(key, {}).get("oom") or "not compiled"
     lines.append(f"    {_PHASE_NAMES[phase]:<29}not estimated: {why}")

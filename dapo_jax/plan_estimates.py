@@ -80,6 +80,27 @@ def interpolate(a: Cost, b: Cost, at_a: float, at_b: float, at: float) -> Cost:
   return Cost(a.flops + w * (b.flops - a.flops), a.bytes + w * (b.bytes - a.bytes))
 
 
+def costs_at_depth(a: Any, b: Any, depths: tuple[int, int], layers: int) -> Any:
+  """Merges one compile function's results at two depths (``depths``, e.g. 1 and 2 layers):
+  every ``"cost"`` becomes the cost at ``layers`` (linear in the depth), ``compile_seconds`` the
+  sum of both compiles, anything else the first result's. Where only the first compiled, the
+  second's failure (``"oom"`` / ``"error"``) is kept: no cost at the wrong depth."""
+  if not (isinstance(a, dict) and isinstance(b, dict)):
+    return a
+  if "cost" in a and "cost" not in b:
+    return b
+  out = {}
+  for key, value in a.items():
+    if key == "cost":
+      out[key] = dataclasses.asdict(interpolate(Cost(**value), Cost(**b[key]), depths[0],
+                                                depths[1], layers))
+    elif key == "compile_seconds" and key in b:
+      out[key] = round(value + b[key], 1)
+    else:
+      out[key] = costs_at_depth(value, b.get(key), depths, layers)
+  return out
+
+
 def static_decode_steps(max_new_tokens: int, cache_segments: int, prompt_length: int
                         ) -> list[tuple[int, int]]:
   """(decode steps, cache slots) per decode loop of one static-sampler call run to the budget:
@@ -139,7 +160,9 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
   micro-batch loop body, once per micro-batch. Updates: the train step's micro-batch body
   (with the optimizer, a small overcount) per micro-batch of every update. FLOPs the cost
   analysis misses (``plan["uncounted_flops"]``: nested loops, Pallas kernels) are added.
-  A phase whose programs did not compile is left out. The continuous engine: one enqueue
+  A phase whose programs did not compile is left out. Every cost is at the model's depth
+  (``plan.COST_DEPTHS``: a scanned decoder's layer loop counts once in the cost analysis, so
+  the costs come from shallow unrolled compiles, extrapolated). The continuous engine: one enqueue
   (prefill) per prompt, a chunk-body decode step (admission included) per
   (requests x mean response length) / (slots x utilisation) (``MEAN_RESPONSE_FRACTION``,
   ``SLOT_UTILIZATION``).
@@ -165,11 +188,10 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
              plan["logprob"]["loop_runs"])]
 
   def update():
-    t = plan["train"]
+    t = plan["train_cost"]
     updates = (config.optim.train_batch_size // config.optim.mini_batch_size
                * config.optim.ppo_epochs)
-    train = plus(Cost(t["flops_compiled"], t["bytes_compiled"]), "train")
-    return [("train step micro-batch", train, t["num_micro_batches"] * updates)]
+    return [("train step micro-batch", plus(_cost(t), "train"), t["num_micro_batches"] * updates)]
 
   def rollout_continuous():
     cont = plan["continuous"]

@@ -117,7 +117,9 @@ def test_step_time_estimate_by_hand(tiny_plan):
   # Updates: 16 / 4 = 4 per step, each 32 trajectories in 2 micro-batches of 16.
   t = plan["train"]
   assert t["num_micro_batches"] == 2
-  update = 4 * 2 * roofline({"flops": t["flops_compiled"], "bytes": t["bytes_compiled"]})
+  assert plan["cost_depths"] == [1, 2]  # the estimate's costs: 1 and 2 layers, extrapolated
+  assert plan["train_cost"]["num_micro_batches"] == 2
+  update = 4 * 2 * roofline(plan["train_cost"]["cost"])
   assert e["phases"]["update"]["seconds"] == pytest.approx(update)
   # Old log-probs: 16 x 8 = 128 trajectories, 16 per forward micro-batch.
   assert e["phases"]["old_logprob"]["seconds"] == pytest.approx(
@@ -161,6 +163,32 @@ def test_step_time_estimate_by_hand(tiny_plan):
   for phase in ("rollout (static sampler)", "old log-probs", "updates",
                 "rollout (continuous engine)", "ESTIMATE", "MFU"):
     assert phase in text, text
+
+
+def test_estimate_costs_count_every_layer_of_a_scanned_model():
+  """XLA's cost analysis counts a loop body once: a scanned decoder's compiled step counts one
+  of its layers. The estimate's cost, extrapolated from 1- and 2-layer unrolled compiles, is the
+  full unrolled model's (3 layers here), scanned or not."""
+  config = plan_lib.configure(_tiny_args("--layers", "3"))
+  mesh = run_setup.build_mesh(config)
+  unrolled = plan_lib.plan_model_config(config).replace(scan_layers=False)
+  scanned = unrolled.replace(scan_layers=True)
+  full = plan_lib.compile_train_step(config, unrolled, mesh)
+  loop = plan_lib.compile_train_step(config, scanned, mesh)
+  assert loop["flops_compiled"] < 0.8 * full["flops_compiled"]
+  est = plan_lib._costs_at_depth(  # pylint: disable=protected-access
+      plan_lib.compile_train_cost, mesh, config=config, mcfg=scanned)
+  assert est["num_micro_batches"] == full["num_micro_batches"]
+  assert est["cost"]["flops"] == pytest.approx(full["flops_compiled"], rel=0.02)
+  assert est["cost"]["bytes"] == pytest.approx(full["bytes_compiled"], rel=0.1)
+  # The merge: costs extrapolated in the depth, compile times added, a failure kept.
+  a = {"x": {"cost": {"flops": 10.0, "bytes": 4.0}, "compile_seconds": 1.0, "rows": 8}}
+  b = {"x": {"cost": {"flops": 14.0, "bytes": 5.0}, "compile_seconds": 2.0, "rows": 8}}
+  assert plan_est.costs_at_depth(a, b, (1, 2), 64) == {
+      "x": {"cost": {"flops": 10.0 + 63 * 4.0, "bytes": 4.0 + 63 * 1.0},
+            "compile_seconds": 3.0, "rows": 8}}
+  oom = {"x": {"oom": {"what": "HLO temporaries"}}}
+  assert plan_est.costs_at_depth(a, oom, (1, 2), 64) == oom
 
 
 def test_cli_overrides_and_json(tmp_path, capsys):
