@@ -227,15 +227,17 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   os.replace(stage, out)
 
 
-def ensure_warm_start(scratch: str, seed: int, sft_steps: int) -> tuple[str, str]:
-  """The warm start's directory (made now, in a child process, if absent) and its hash."""
-  out = os.path.join(scratch, "warm_starts", f"seed{seed}_sft{sft_steps}")
+def ensure_warm_start(results: str, seed: int, sft_steps: int) -> tuple[str, str]:
+  """The warm start's directory (made now, in a child process, if absent) and its hash. It
+  lives next to the results (`results/warm_starts/`, committed: a few MB of safetensors), so
+  a later sitting, on whatever host, trains from the same weights."""
+  out = os.path.join(results, "warm_starts", f"seed{seed}_sft{sft_steps}")
   if not os.path.isdir(out):
     os.makedirs(os.path.dirname(out), exist_ok=True)
     print(f"warm start seed {seed} ({sft_steps} SFT steps) -> {out}", flush=True)
     start, cpu0 = time.perf_counter(), _children_cpu_s()
     subprocess.run([sys.executable, os.path.abspath(__file__), "--make_warm_start", str(seed),
-                    "--sft_steps", str(sft_steps), "--scratch", scratch], cwd=ROOT, check=True)
+                    "--sft_steps", str(sft_steps), "--results", results], cwd=ROOT, check=True)
     print(f"  warm start seed {seed}: {time.perf_counter() - start:.0f} s "
           f"({_children_cpu_s() - cpu0:.0f} CPU-s)", flush=True)
   return out, weights_hash(out)
@@ -288,7 +290,7 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
   for techniques, seed in todo:
     if dry_run or (max_runs and ran >= max_runs):
       break
-    ws_dir, ws_hash = warm(scratch, seed, spec.sft_steps)
+    ws_dir, ws_hash = warm(results, seed, spec.sft_steps)
     name = run_name(techniques)
     workdir = os.path.join(scratch, "runs", ws_hash[:12],
                            f"steps{spec.steps}_eval{spec.eval_every}", f"{name}_seed{seed}")
@@ -457,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for noisy in ("absl", "jax._src", "orbax"):
       logging.getLogger(noisy).setLevel(logging.WARNING)
     make_warm_start(args.make_warm_start, sft_steps, os.path.join(
-        args.scratch, "warm_starts", f"seed{args.make_warm_start}_sft{sft_steps}"))
+        args.results, "warm_starts", f"seed{args.make_warm_start}_sft{sft_steps}"))
     return
   parts = [x for x in args.parts.split(",") if x]
   if not parts or any(x not in PARTS for x in parts):

@@ -123,9 +123,9 @@ def test_run_all_skips_finished_runs_and_resumes(tmp_path):
   spec = T.Spec(steps=3, sft_steps=1, eval_every=3)
   calls, warm_calls = [], []
 
-  def warm(scratch, seed, sft_steps):
+  def warm(results, seed, sft_steps):
     warm_calls.append(seed)
-    return f"{scratch}/ws{seed}", f"hash{seed}" * 8
+    return f"{results}/ws{seed}", f"hash{seed}" * 8
 
   def train(tech, seed, spec_, ws, workdir):
     calls.append((T.run_name(tech), seed))
