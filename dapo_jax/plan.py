@@ -367,16 +367,17 @@ def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   return out | {"rows": n, "prompts_per_call": b, "cache_segments": segments}
 
 
-def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
-                       ) -> dict[str, Any]:
-  """AOT-compiles the continuous engine's programs (`rollout/slot_programs.py`) as the trainer's
-  `ContinuousSampler` would run them: its state (`init`: the slots' KV cache and the prompt
-  queue), an `enqueue` that prefills `enqueue_rows` prompts into the queue, and a chunk of decode
-  steps with in-loop admission (`decode_chunk`, whose loop body the cost analysis counts once)."""
+def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams):
+  """The continuous engine's programs (`rollout/slot_programs.py`) lowered as the trainer's
+  `ContinuousSampler` runs them: its state (`init`: the slots' KV cache and the prompt queue),
+  an `enqueue` that prefills one prompt into the queue (in steady state the queue frees an
+  entry at a time) and a chunk of decode steps with in-loop admission. Returns a dict with
+  the sampler, the abstract state and its layout, or the compiler's OOM for the state."""
   from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import slot_programs as prog  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(abstract_model(mcfg))
-  state = _abstract(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
+  state_sh = shd.state_shardings(state, mesh, shd.SAMPLE_RULES)
+  state = _abstract(state, state_sh)
   p, r, g = config.data.max_prompt_length, config.rollout.max_response_length, config.rollout.n
   sampler = continuous.ContinuousSampler(
       graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
@@ -388,25 +389,54 @@ def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
       state, graphdef=graphdef, num_slots=sampler.num_slots, queue_size=q, num_samples=g,
       prompt_length=prompt_slots, cache_length=prompt_slots + r, mesh=prog_mesh)
   init_compiled, oom, _ = _compile(init)
+  info = {"slots": sampler.num_slots, "enqueue_rows": 1, "queue_prompts": q,
+          "chunk_steps": sampler.chunk_steps, "params": shd.per_device_bytes(state, state_sh)}
   if init_compiled is None:
-    return {"oom": oom, "slots": sampler.num_slots}
+    return info | {"oom": oom}
   engine = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         init.out_info, init_compiled.output_shardings)
   sds, rep = jax.ShapeDtypeStruct, NamedSharding(mesh, PartitionSpec())
-  m = 1  # in steady state the queue frees an entry at a time
   i32 = lambda *shape: sds(shape, jnp.int32, sharding=rep)
   enqueue = prog.enqueue_program.lower(
-      state, engine, i32(m, prompt_slots), i32(m), i32(m), i32(m), i32(m, g), i32(m),
+      state, engine, i32(1, prompt_slots), i32(1), i32(1), i32(1), i32(1, g), i32(1),
       graphdef=graphdef, mesh=prog_mesh)
   key_data = jax.random.key_data(jax.random.key(0))
   chunk = prog.chunk_program.lower(
       state, engine, sds(key_data.shape, key_data.dtype, sharding=rep),
       sds((), bool, sharding=rep), graphdef=graphdef, params=sp, mesh=prog_mesh,
       chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit)
-  out = {name: _lower_and_cost(lowered)
-         for name, lowered in (("enqueue", enqueue), ("decode_chunk", chunk))}
-  return out | {"slots": sampler.num_slots, "enqueue_rows": m, "queue_prompts": q,
-                "chunk_steps": sampler.chunk_steps}
+  return info | {"enqueue": enqueue, "chunk": chunk, "engine_bytes": shd.per_device_bytes(
+      engine, init_compiled.output_shardings)}
+
+
+def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+                       ) -> dict[str, Any]:
+  """The continuous engine's enqueue and chunk compiled for their costs (the chunk's loop body,
+  one decode step with admission, counted once)."""
+  progs = _continuous_programs(config, mcfg, mesh, sp)
+  info = {k: progs[k] for k in ("slots", "enqueue_rows", "queue_prompts", "chunk_steps")}
+  if "oom" in progs:
+    return info | {"oom": progs["oom"]}
+  return info | {"enqueue": _lower_and_cost(progs["enqueue"]),
+                 "decode_chunk": _lower_and_cost(progs["chunk"])}
+
+
+def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+                               ) -> dict[str, Any]:
+  """The continuous engine's memory: its chunk program at the model's depth, whose inputs are
+  the rollout parameters and the engine state (the slots' KV cache at the full prompt +
+  response length, which never grows, and the prompt queue)."""
+  progs = _continuous_programs(config, mcfg, mesh, sp)
+  parts = {"params": progs["params"], "engine_state": progs.get("engine_bytes", 0),
+           "other_temp": 0, "outputs": 0}
+  info = {"slots": progs["slots"], "queue_prompts": progs["queue_prompts"]}
+  if "oom" in progs:  # the state alone does not fit
+    return _summary(None, progs["oom"], 0.0, parts, "engine_state", temp_known=0) | info
+  compiled, oom, seconds = _compile(progs["chunk"])
+  if compiled is not None:
+    mem = _mem(compiled)
+    parts["other_temp"], parts["outputs"] = mem["temp"], max(mem["output"] - mem["alias"], 0)
+  return _summary(compiled, oom, seconds, parts, "other_temp") | info
 
 
 def _reported(compile_fn, *args) -> dict[str, Any]:
@@ -469,6 +499,9 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
     with attention.compile_for(target.kind):
       plan["train"] = compile_train_step(config, mcfg, train_mesh)
       plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+      if config.rollout.engine == "continuous":  # the rollout phase's program
+        plan["continuous_rollout"] = compile_continuous_rollout(
+            config, mcfg, rollout_mesh, sampling_params(config, mcfg))
       if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
         sp = sampling_params(config, mcfg)
         at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
@@ -488,12 +521,13 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
   # when they are in that dtype, else a cast copy made next to them (fp32 master weights).
   src = plan["rollout"]["reshard"]["src"]
   held = src if plan["train"]["parts"]["params"] == src else 0
+  rollout = plan.get("continuous_rollout", plan["rollout"])  # the configured engine's
   plan["phase_peaks"] = {"train": plan["train"]["peak"],
                          "reshard": state - held + plan["rollout"]["reshard"]["peak"],
-                         "rollout": state + plan["rollout"]["peak"]}
+                         "rollout": state + rollout["peak"]}
   plan["peak_bytes"] = max(plan["phase_peaks"].values())
   plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
-  if "oom" in plan["train"] or "oom" in plan["rollout"]:
+  if "oom" in plan["train"] or "oom" in rollout:
     plan["fits"] = False
   if estimate and target.chip is not None and not target.analytic:
     plan["uncounted_flops"] = est.uncounted_flops(
@@ -522,7 +556,13 @@ def format_plan(plan: dict[str, Any]) -> str:
   t, r = plan["train"], plan["rollout"]
   how = lambda part: ("peak (compiled)" if "memory" in part else
                       "peak (compiler OOM)" if "oom" in part else "peak (estimate)")
-  for label, part in (("train  ", t), ("rollout", r)):
+  programs = [("train  ", t), ("rollout", r)]
+  if "continuous_rollout" in plan:  # the configured engine's rollout, then the static sampler's
+    c = plan["continuous_rollout"]
+    lines.append(f"    (rollout: the continuous engine, {c['slots']} slots; static: the static "
+                 f"sampler, {plan['prompts_per_call']} prompts per call)")
+    programs = [("train  ", t), ("rollout", c), ("static ", r)]
+  for label, part in programs:
     for name, b in part["parts"].items():
       lines.append(f"    {label} {name:<22}{g(b)}")
     lines.append(f"    {label} {how(part):<22}{g(part['peak'])}")
@@ -543,14 +583,17 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  compiled FLOPs per device (loop bodies counted once): train step "
                  f"{t['flops_compiled']:.3e} x {t['num_micro_batches']} micro-batches, rollout "
                  f"call {r['flops_compiled']:.3e}")
-  for name, part in (("train step", t), ("rollout", r)):
+  for name, part in (("train step", t), ("rollout", r),
+                     ("continuous engine", plan.get("continuous_rollout", {}))):
     if "oom" in part:
       o = part["oom"]
       lines.append(f"  the compiler refused the {name}: {o['what']} need "
                    f"{o['required'] / GiB:.2f} GiB, {o['available'] / GiB:.2f} GiB available")
   if "compile_seconds" in t:
+    extra = (f", continuous engine {plan['continuous_rollout']['compile_seconds']:.0f} s"
+             if "continuous_rollout" in plan else "")
     lines.append(f"  compile time: train step {t['compile_seconds']:.0f} s, rollout "
-                 f"{r['compile_seconds']:.0f} s")
+                 f"{r['compile_seconds']:.0f} s{extra}")
   lines += format_estimate(plan)
   lines += [f"  warning: {w}" for w in plan["warnings"]]
   return "\n".join(lines)

@@ -4,14 +4,17 @@ import importlib.util
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dapo_jax import plan as plan_lib
 from dapo_jax import plan_estimates as plan_est
 from dapo_jax import run_setup
 from dapo_jax.models import create_model
+from dapo_jax.rollout import continuous
 from dapo_jax.train_step import TrainBatch, TrainStep, init_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,8 +79,23 @@ def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
   assert roll["peak"] == roll["memory"]["argument"] + roll["memory"]["output"] - roll["memory"][
       "alias"] + roll["memory"]["temp"]
   assert 0 < roll["parts"]["kv_cache_estimate"] <= roll["memory"]["temp"]
+  # The configured engine (continuous, the default) is the rollout phase's program: the chunk
+  # of decode steps, whose inputs hold the engine state the trainer's sampler allocates.
+  assert config.rollout.engine == "continuous"
+  cont = plan["continuous_rollout"]
+  assert cont["peak"] == cont["memory"]["argument"] + cont["memory"]["output"] - cont["memory"][
+      "alias"] + cont["memory"]["temp"]
+  sampler = continuous.ContinuousSampler(
+      nnx.split(create_model(mcfg))[0], num_slots=config.rollout.max_concurrent_decodes,
+      mesh=mesh, max_prefill_length=config.data.max_prompt_length)
+  stream = sampler.open_stream(nnx.split(create_model(mcfg))[1],
+                               params=plan_lib.sampling_params(config, mcfg),
+                               num_samples=config.rollout.n, key=jax.random.key(0))
+  engine_bytes = sum(x.addressable_shards[0].data.nbytes
+                     for x in jax.tree.leaves(stream._engine))  # pylint: disable=protected-access
+  assert cont["slots"] == 256 and cont["parts"]["engine_state"] == engine_bytes
   # Phases: the training state stays resident while the rollout copy exists.
-  assert plan["phase_peaks"]["rollout"] == train["state_bytes"] + roll["peak"]
+  assert plan["phase_peaks"]["rollout"] == train["state_bytes"] + cont["peak"]
   assert plan["peak_bytes"] == max(plan["phase_peaks"].values())
   # Analytic FLOPs of the updates against the compiled count (XLA counts the micro-batch loop
   # body once).
