@@ -1,5 +1,7 @@
 """The compiled static sampler (dapo_jax/rollout) against the full forward pass ("test" preset)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,16 +262,33 @@ def test_bad_switches_raise():
   assert SamplingParams(eos_ids=[3, 4]).eos_ids == (3, 4)
 
 
-def test_segmented_decode_equals_single_loop(model, prompts):
-  """Growing the cache between while_loops changes nothing but the work per step."""
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_segmented_decode_equals_single_loop(model, prompts, scan):
+  """Segments change nothing but the work per step: per-layer caches grow between the
+  while_loops; a scanned model's stacked cache (which a growth would copy whole) is made full
+  length once and each segment attends over its prefix."""
   ids, mask = prompts
-  state = nnx.state(model)
   params = SamplingParams(temperature=1.0, max_new_tokens=40, eos_ids=(7,))
   one = Sampler(nnx.graphdef(model), cache_segments=1)
-  three = Sampler(nnx.graphdef(model), cache_segments=3)  # segments end at 10, 20, 40
-  a = jax.device_get(one.generate(state, ids, mask, jax.random.key(5), params, num_samples=2))
+  a = jax.device_get(one.generate(nnx.state(model), ids, mask, jax.random.key(5), params,
+                                  num_samples=2))
+  seg_model = model
+  if scan:  # the same weights (one seed gives both layouts), stacked
+    seg_model = create_model(get_preset("test", scan_layers=True), seed=1)
+    seg_model.lm_head.value = seg_model.lm_head.value * 30.0
+  three = Sampler(nnx.graphdef(seg_model), cache_segments=3)  # segments end at 20, 40
+  state = nnx.state(seg_model)
   b = jax.device_get(three.generate(state, ids, mask, jax.random.key(5), params, num_samples=2))
   np.testing.assert_array_equal(a.response_ids, b.response_ids)
   np.testing.assert_array_equal(a.response_mask, b.response_mask)
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
   assert int(a.num_steps) == int(b.num_steps)
+  if scan:  # no growth (pad) of the decode rows' stacked [L, N, K, ., .] cache; the prompts'
+    # [L, B, ...] prefill cache is padded to full length once, before its rows are repeated
+    hlo = three._program.lower(  # pylint: disable=protected-access
+        state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(5), params=params,
+        num_samples=2).compile().as_text()
+    layers = seg_model.config.num_hidden_layers
+    rows = ids.shape[0] * 2
+    grown = re.findall(rf"= \w+\[{layers},{rows},\d+,\d+,\d+\]\{{[^}}]*\}} pad\(", hlo)
+    assert not grown, grown

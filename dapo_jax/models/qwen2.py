@@ -113,11 +113,12 @@ class Attention(nnx.Module):
 
   def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
              v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array,
-             layer: jax.Array | None = None
+             layer: jax.Array | None = None, attend: int | None = None
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One token per row: writes its key and value at `slot` (scalar or [N]), attends over the
     cache layer (`valid_NxS` already marks the new slot). With `layer`, k and v are the stacked
-    cache ([L, ...]) and this is its layer `layer`."""
+    cache ([L, ...]) and this is its layer `layer`. With `attend`, only the first `attend`
+    slots are attended to (the later ones must be invalid)."""
     dtype = x_Nx1xD.dtype
     q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
     q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
@@ -126,6 +127,8 @@ class Attention(nnx.Module):
     k_NxKxExS, v_NxKxSxE = kv_cache.write_step(k_NxKxExS, v_NxKxSxE, kn_Nx1xKxE[:, 0],
                                                vn_Nx1xKxE[:, 0], slot, layer)
     k_l, v_l = (k_NxKxExS, v_NxKxSxE) if layer is None else (k_NxKxExS[layer], v_NxKxSxE[layer])
+    if attend is not None:
+      k_l, v_l, valid_NxS = k_l[..., :attend], v_l[:, :, :attend], valid_NxS[:, :attend]
     o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_l, v_l, valid_NxS)
     return self.o_proj(o_NxHxE[:, None], dtype), (k_NxKxExS, v_NxKxSxE)
 
@@ -166,10 +169,10 @@ class DecoderLayer(nnx.Module):
 
   def decode(self, x_Nx1xD: jax.Array, positions_Nx1: jax.Array, k_NxKxExS: jax.Array,
              v_NxKxSxE: jax.Array, valid_NxS: jax.Array, slot: jax.Array,
-             layer: jax.Array | None = None
+             layer: jax.Array | None = None, attend: int | None = None
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     attn_out, kv = self.self_attn.decode(self.input_layernorm(x_Nx1xD), positions_Nx1,
-                                         k_NxKxExS, v_NxKxSxE, valid_NxS, slot, layer)
+                                         k_NxKxExS, v_NxKxSxE, valid_NxS, slot, layer, attend)
     x_Nx1xD = x_Nx1xD + attn_out
     x_Nx1xD = x_Nx1xD + self.mlp(self.post_attention_layernorm(x_Nx1xD))
     return constrain(x_Nx1xD, ("batch", "length", "act_embed")), kv
@@ -319,12 +322,14 @@ class Qwen2ForCausalLM(nnx.Module):
     return self.hidden_states(input_ids_BxP, positions_BxP, attention_mask_BxP, with_cache=True)
 
   def decode_step(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache, *,
-                  same_slot: bool = False) -> tuple[jax.Array, KVCache]:
+                  same_slot: bool = False, attend: int | None = None
+                  ) -> tuple[jax.Array, KVCache]:
     """Feeds one token per row at slot ``cache.index``; returns fp32 logits [N, V].
 
     `same_slot`: every row sits at ``cache.index[0]`` (a static batch), so each layer's write is
     one in-place dynamic_update_slice instead of a per-row scatter. A row whose index is past
-    the end overwrites its last slot.
+    the end overwrites its last slot. `attend`: attention reads only the first `attend` cache
+    slots (every row's index must be below it), as if the cache were that long.
     """
     cfg = self.config
     slot = cache.index[0] if same_slot else cache.index
@@ -335,7 +340,7 @@ class Qwen2ForCausalLM(nnx.Module):
     if cfg.scan_layers:
       def body(layer, carry, l):
         x_Nx1xD, k, v = carry
-        x_Nx1xD, (k, v) = layer.decode(x_Nx1xD, pos_Nx1, k, v, valid_NxS, slot, l)
+        x_Nx1xD, (k, v) = layer.decode(x_Nx1xD, pos_Nx1, k, v, valid_NxS, slot, l, attend)
         return (x_Nx1xD, k, v), None
       (x_Nx1xD, k_LxNxKxExS, v_LxNxKxSxE), _ = self._scan_layers(
           body, (x_Nx1xD, cache.k, cache.v), jnp.arange(cfg.num_hidden_layers))
@@ -345,7 +350,7 @@ class Qwen2ForCausalLM(nnx.Module):
     new_k, new_v = [], []
     for layer, k_NxKxExS, v_NxKxSxE in zip(self.layers, cache.k, cache.v):
       x_Nx1xD, (k_NxKxExS, v_NxKxSxE) = layer.decode(x_Nx1xD, pos_Nx1, k_NxKxExS, v_NxKxSxE,
-                                                     valid_NxS, slot)
+                                                     valid_NxS, slot, attend=attend)
       new_k.append(k_NxKxExS)
       new_v.append(v_NxKxSxE)
     logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]

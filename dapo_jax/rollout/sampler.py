@@ -105,7 +105,11 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     # Every row writes slot P + step - 1 (prompts share the padded length P), so the step
     # writes all rows with one dynamic_update_slice (same_slot).
     ends = segment_ends(r, cache_segments)
-    cache = cache.grow(ends[0] - 1).repeat(g)
+    # A scanned model's cache is one [L, ...] array per k and v: growing it copies every layer
+    # at once (at the last growth, old + new = 1.55x the final cache at the paper's lengths).
+    # It is made full length here instead, and each segment attends over its own prefix.
+    stacked = cache.stacked
+    cache = cache.grow((r if stacked else ends[0]) - 1).repeat(g)
     prompt_len_N = jnp.repeat(mask_BxP.sum(-1, dtype=jnp.int32), g)
 
     # Column 0 comes from the prefill logits. Each step folds its index into the key; rows
@@ -122,11 +126,11 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     def cond(c: _Loop, end: int) -> jax.Array:
       return (c.step < end) & ~jnp.all(c.done_N)
 
-    def body(c: _Loop) -> _Loop:
+    def body(c: _Loop, attend: int | None) -> _Loop:
       # Feed column step - 1: cache slot P + step - 1, position = the row's real tokens
       # before it.
       logits_NxV, cache = model.decode_step(c.last_N, prompt_len_N + c.step - 1, c.cache,
-                                            same_slot=True)
+                                            same_slot=True, attend=attend)
       tok_N, lp_N = sample(logits_NxV, jax.random.fold_in(key, c.step))
       # Rows already stopped keep emitting pad (masked out, log-prob 0): spec section 6.1.
       tok_N = jnp.where(c.done_N, params.pad_id, tok_N)
@@ -140,9 +144,11 @@ def _generate_program(state: nnx.State, prompt_ids_BxP: jax.Array, prompt_mask_B
     # needs, so attention work follows the response length instead of P + R every step.
     out = init
     for i, end in enumerate(ends):
-      if i:
+      if i and not stacked:
         out = out.replace(cache=out.cache.grow(end - ends[i - 1]))
-      out = jax.lax.while_loop(functools.partial(cond, end=end), body, out)
+      attend = p + end - 1 if stacked and end < r else None
+      out = jax.lax.while_loop(functools.partial(cond, end=end),
+                               functools.partial(body, attend=attend), out)
 
     # The mask is every column up to and including the first stop token.
     stop_NxR = is_stop(out.response_NxR, params.eos_ids)
