@@ -124,6 +124,14 @@ def test_slots_sharded_over_the_mesh_match_one_device(split_model):
   np.testing.assert_array_equal(out.response_ids, ref.response_ids)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
   assert sharded.last_stats.decode_steps == one.last_stats.decode_steps
+  # Layout of the engine: slots over the batch axes and KV heads over `tensor`; the prompt
+  # queue's rows whole on every device, its KV heads split like the slots'.
+  stream = sharded.open_stream(state, params=params, num_samples=G, key=jax.random.key(1))
+  engine = stream._engine  # pylint: disable=protected-access
+  slot_k, queue_k = engine.slots.decode.cache.k[0], engine.queue.cache.k[0]
+  assert slot_k.sharding.shard_shape(slot_k.shape)[:2] == (8 // 4, slot_k.shape[1] // 2)
+  assert queue_k.sharding.shard_shape(queue_k.shape)[:2] == (queue_k.shape[0],
+                                                              queue_k.shape[1] // 2)
   with pytest.raises(ValueError, match="batch shards"):
     continuous.ContinuousSampler(graphdef, num_slots=6, mesh=mesh)
 

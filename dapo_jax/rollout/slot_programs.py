@@ -107,7 +107,13 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
     slots = Slots(decode=decode, live=_slot_rows(zn.astype(bool)), owner=_slot_rows(zn - 1),
                   count=_slot_rows(zn), budget=_slot_rows(zn))
     zq = jnp.zeros((queue_size,), jnp.int32)
-    queue = Queue(cache=model.init_cache(queue_size, prompt_length),
+    # Queue rows are whole on every device (any slot may take any queued prompt, so admission
+    # copies rows without collectives) but KV heads split over `tensor` as the slots' do:
+    # left to XLA, the queue came out fully replicated (16 GiB per chip for the 32B config).
+    heads = lambda x: shd.constrain(x, (None, "kv_heads", None, None))
+    qcache = model.init_cache(queue_size, prompt_length)
+    qcache = qcache.replace(k=per_layer(heads, qcache.k), v=per_layer(heads, qcache.v))
+    queue = Queue(cache=qcache,
                   hidden=jnp.zeros((queue_size, model.config.hidden_size),
                                    model.config.jnp_dtype),
                   position=zq, key_id=zq, seq=zq + EMPTY_SEQ,
