@@ -260,13 +260,14 @@ def mfu(model_flops: float, seconds: float, chip: Chip, num_devices: int) -> flo
 GPU_MEM_FRACTION = 0.92
 # Train-step temporaries per token, per layer and per hidden unit of one trajectory with
 # rematerialisation on (gradient buffers excluded), by fsdp degree: fitted to libtpu's compiles
-# of the Qwen2.5-32B step (Pallas splash attention, fp32 master weights, tensor 8, one
-# trajectory per chip, 22528 tokens). fsdp 4: 4.0 on v5p:2x4x4 and 3.7 on v5p:4x4x4 with data 2;
-# fsdp 8: 11.4 on v5p:4x4x4; fsdp 16: 12.0 on v5p:4x4x8. From fsdp 8 up, XLA's partitioner keeps
-# about 1.27 GB per layer where fsdp 4 keeps 0.17 (`dapo-plan --layers 2` vs 4). A flash kernel
-# keeps no [T, S] scores, so the rate is per token; cuDNN's flash attention on GPUs is assumed
-# to behave alike until a GPU compile confirms it.
-REMAT_BYTES_BY_FSDP = {4: 4.0, 8: 11.4, 16: 12.0}
+# of the Qwen2.5-32B step (scanned layers, libtpu's windowed einsum off as `dapo-train` runs it,
+# Pallas splash attention, fp32 master weights, tensor 8, one trajectory per chip, 22528
+# tokens). fsdp 4: 4.51 on v5p:2x4x4 and 4.39 on v5p:4x4x4 with data 2; fsdp 8: 3.69 on
+# v5p:4x4x4; fsdp 16: 3.33 on v5p:4x4x8. (With the windowed einsum on, fsdp 8 and 16 kept about
+# 1.27 GB per layer where fsdp 4 kept 0.17: rates 11.4 and 12.0.) A flash kernel keeps no
+# [T, S] scores, so the rate is per token; cuDNN's flash attention on GPUs is assumed to
+# behave alike until a GPU compile confirms it.
+REMAT_BYTES_BY_FSDP = {4: 4.45, 8: 3.69, 16: 3.33}
 
 
 def remat_bytes_per_token_layer_unit(fsdp: int) -> float:
@@ -274,9 +275,9 @@ def remat_bytes_per_token_layer_unit(fsdp: int) -> float:
   near = lambda k: (abs(math.log2(k) - math.log2(max(fsdp, 1))), -REMAT_BYTES_BY_FSDP[k])
   return REMAT_BYTES_BY_FSDP[min(REMAT_BYTES_BY_FSDP, key=near)]
 
-# Rollout temporaries besides the KV cache, as a share of it (the same compiles: 11.3 GiB over a
-# 66 GiB cache at 96 sequences x 22528 slots per chip).
-ROLLOUT_TEMP_OVER_KV = 0.18
+# Static-sampler temporaries besides the KV cache, as a share of it (the same compiles: 4.8 GiB
+# over a 44 GiB cache at 64 sequences x 22528 slots per chip, 7.8 over 66 at 96).
+ROLLOUT_TEMP_OVER_KV = 0.12
 BATCH_AXES = ("data", "fsdp")
 
 
