@@ -371,8 +371,10 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   """The continuous engine's programs (`rollout/slot_programs.py`) lowered as the trainer's
   `ContinuousSampler` runs them: its state (`init`: the slots' KV cache and the prompt queue),
   an `enqueue` that prefills one prompt into the queue (in steady state the queue frees an
-  entry at a time) and a chunk of decode steps with in-loop admission. Returns a dict with
-  the sampler, the abstract state and its layout, or the compiler's OOM for the state."""
+  entry at a time) and a chunk of decode steps with in-loop admission. Returns a dict with the
+  slot and queue sizes, the rollout parameters' bytes per device and either the lowered
+  `enqueue` and `chunk` with the engine state's bytes per device, or the compiler's OOM for
+  the state."""
   from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import slot_programs as prog  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(abstract_model(mcfg))
@@ -499,11 +501,10 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
     with attention.compile_for(target.kind):
       plan["train"] = compile_train_step(config, mcfg, train_mesh)
       plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+      sp = sampling_params(config, mcfg)
       if config.rollout.engine == "continuous":  # the rollout phase's program
-        plan["continuous_rollout"] = compile_continuous_rollout(
-            config, mcfg, rollout_mesh, sampling_params(config, mcfg))
+        plan["continuous_rollout"] = compile_continuous_rollout(config, mcfg, rollout_mesh, sp)
       if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
-        sp = sampling_params(config, mcfg)
         at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
         plan["cost_depths"] = list(COST_DEPTHS)
         plan["train_cost"] = at_depth(compile_train_cost, train_mesh)
