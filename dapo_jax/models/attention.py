@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from dapo_jax import sharding as shd
 from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
+from dapo_jax.profiling import scoped
 
 _SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence
 _INTERPRET = contextvars.ContextVar("dapo_jax_pallas_interpret", default=False)
@@ -99,6 +100,7 @@ def resolve_impl(impl: str, *, platform: str | None = None, dtype=None,
   return "xla"
 
 
+@scoped("attention_core")
 def xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
   """Grouped-query attention as two einsums; scores and softmax in fp32."""
   b, t, h, e = q_BxTxHxE.shape
@@ -112,6 +114,7 @@ def xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
   return out.reshape(b, t, h, e)
 
 
+@scoped("attention_core")
 def decode_attention(q_NxHxE: jax.Array, k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array,
                      valid_NxS: jax.Array) -> jax.Array:
   """One query token per row over a ``KVCache`` layer (see models/kv_cache.py).

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dapo_jax import sharding as shd
+from dapo_jax.profiling import scoped
 
 Layers = tuple[jax.Array, ...] | jax.Array  # L per-layer arrays, or one stacked [L, ...] array
 
@@ -126,6 +127,7 @@ class KVCache:
                    index=self.index.at[dst_row].set(index))
 
 
+@scoped("kv_cache_write")
 def write_step(k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array, kn_NxKxE: jax.Array,
                vn_NxKxE: jax.Array, slot: jax.Array, layer: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from dapo_jax.models import attention, kv_cache
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.profiling import scoped
 from dapo_jax.sharding import constrain
 
 _INIT_STD = 0.02
@@ -41,6 +42,7 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
     self.eps = eps
 
+  @scoped("norm")
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -59,6 +61,7 @@ class Dense(nnx.Module):
     self.bias = (nnx.Param(jnp.zeros(out_shape, param_dtype), logical_axes=axes[self.n_in:])
                  if use_bias else None)
 
+  @scoped("dense")
   def __call__(self, x: jax.Array, dtype: Any) -> jax.Array:
     n = self.n_in
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
@@ -68,6 +71,7 @@ class Dense(nnx.Module):
     return y
 
 
+@scoped("rope")
 def apply_rope(x_BxTxHxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding in the non-interleaved (rotate-half) layout of HF Qwen2, in fp32."""
   e = x_BxTxHxE.shape[-1]
@@ -246,6 +250,7 @@ class Qwen2ForCausalLM(nnx.Module):
       return self.embed_tokens.value.T
     return self.lm_head.value
 
+  @scoped("lm_head")
   def logits_from_hidden(self, h_BxTxD: jax.Array) -> jax.Array:
     """fp32 logits; the matmul runs in the compute dtype with fp32 accumulation."""
     w = self.lm_head_kernel().astype(h_BxTxD.dtype)
@@ -312,6 +317,7 @@ class Qwen2ForCausalLM(nnx.Module):
       x = layer_fn(layer, x, positions_BxT, mask)
     return self.norm(x), None
 
+  @scoped("prefill")
   def prefill(self, input_ids_BxP: jax.Array, positions_BxP: jax.Array,
               attention_mask_BxP: jax.Array) -> tuple[jax.Array, KVCache]:
     """Hidden states [B, P, D] of the prompts and their P-slot cache (index P on every row).
@@ -321,6 +327,7 @@ class Qwen2ForCausalLM(nnx.Module):
     """
     return self.hidden_states(input_ids_BxP, positions_BxP, attention_mask_BxP, with_cache=True)
 
+  @scoped("decode_step")
   def decode_step(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache, *,
                   same_slot: bool = False, attend: int | None = None
                   ) -> tuple[jax.Array, KVCache]:

@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dapo_jax.profiling import scoped
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -71,6 +73,7 @@ def _categorical(key: jax.Array, logits_BxV: jax.Array) -> jax.Array:
   return _argmax(logits_BxV + jax.random.gumbel(key, logits_BxV.shape, logits_BxV.dtype))
 
 
+@scoped("sample")
 def sample_logits(
     logits_BxV: jax.Array,
     key: jax.Array,
