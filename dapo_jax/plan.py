@@ -376,6 +376,7 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   `enqueue` and `chunk` with the engine state's bytes per device, or the compiler's OOM for
   the state."""
   from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import engine_programs  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import slot_programs as prog  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(abstract_model(mcfg))
   state_sh = shd.state_shardings(state, mesh, shd.SAMPLE_RULES)
@@ -402,10 +403,9 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   enqueue = prog.enqueue_program.lower(
       state, engine, i32(1, prompt_slots), i32(1), i32(1), i32(1), i32(1, g), i32(1),
       graphdef=graphdef, mesh=prog_mesh)
-  key_data = jax.random.key_data(jax.random.key(0))
-  chunk = prog.chunk_program.lower(
-      state, engine, sds(key_data.shape, key_data.dtype, sharding=rep),
-      sds((), bool, sharding=rep), graphdef=graphdef, params=sp, mesh=prog_mesh,
+  # As the trainer compiles it: the engine state in the layouts the chunk's compiler picks.
+  chunk = engine_programs.lower_chunk(
+      state, engine, graphdef=graphdef, params=sp, mesh=prog_mesh,
       chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit)
   return info | {"enqueue": enqueue, "chunk": chunk, "engine_bytes": shd.per_device_bytes(
       engine, init_compiled.output_shardings)}

@@ -1,6 +1,8 @@
 """Continuous-batching engine: greedy parity with the static sampler, budgets, in-loop refill,
 one prefill per prompt, schedule-independent sampling, the stream interface, a sharded mesh."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +199,31 @@ def test_chunk_program_never_copies_the_cache(scan):
   layer_elems = int(np.prod(k.shape[1:] if scan else k[0].shape))
   copies = big_copies(hlo, layer_elems)
   assert not copies, copies
+
+
+def test_programs_are_compiled_once_per_stream_shape_and_hold_the_state_in_their_layouts(
+    split_model):
+  graphdef, state = split_model
+  sampler = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=4,
+                                         max_prefill_length=16)
+  params = SamplingParams(temperature=1.0, max_new_tokens=6, pad_id=0)
+  streams = [sampler.open_stream(state, params=params, num_samples=G, key=jax.random.key(s))
+             for s in range(2)]
+  assert len(sampler._programs) == 1  # pylint: disable=protected-access
+  progs = streams[0]._progs  # pylint: disable=protected-access
+  assert streams[1]._progs is progs  # pylint: disable=protected-access
+  stream = streams[0]
+  stream.admit([5, 6, 7], prompt_index=0)
+  while stream.num_pending:
+    stream.poll()
+  # The engine state lives in the layouts the compiled chunk takes (and returns).
+  engine = stream._engine  # pylint: disable=protected-access
+  assert [a.format for a in jax.tree.leaves(engine)] == jax.tree.leaves(progs.formats)
+  # Another response budget is another program; other weights of the same layout are not.
+  sampler.open_stream(state, params=dataclasses.replace(params, max_new_tokens=8),
+                      num_samples=G, key=jax.random.key(0))
+  doubled = jax.tree.map(lambda x: x * 2, state)
+  sampler.open_stream(doubled, params=params, num_samples=G, key=jax.random.key(0))
+  assert len(sampler._programs) == 2  # pylint: disable=protected-access
+  for s in streams:
+    s.close()

@@ -359,3 +359,46 @@ def test_cost_analysis_charges_a_scatter_its_whole_operand():
       lambda c, u, i: c.at[jnp.arange(n), :, i].set(u[:, :, 0], unique_indices=True), cache,
       row, jnp.zeros((n,), jnp.int32))
   assert dus < 0.1 and 1.9 < scatter < 2.1, (dus, scatter)
+
+
+@pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
+def test_tpu_continuous_chunk_takes_the_engine_state_in_the_compilers_layout():
+  # With XLA's default layout at the call boundary, libtpu copied the whole stacked KV cache
+  # into its loop layout on every chunk call and back out; compiled with the engine state's
+  # layouts left to the compiler (what the trainer and the plan run), no whole-cache copy.
+  from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import slot_programs  # pylint: disable=g-import-not-at-top
+  from tests.hlo_checks import big_copies  # pylint: disable=g-import-not-at-top
+  args = plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
+      "--config.rollout.max_response_length=256", "--config.reward.overlong_buffer_len=16",
+      "--config.data.max_prompt_length=64", "--config.rollout.max_concurrent_decodes=64"])
+  config = plan_lib.configure(args)
+  config.model.overrides = dict(num_hidden_layers=2)
+  target = plan_lib.parse_target(args.target)
+  mcfg = plan_lib.plan_model_config(config)
+  assert mcfg.scan_layers
+  mesh = plan_lib.shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
+  with attention.compile_for("tpu"):
+    progs = plan_lib._continuous_programs(  # pylint: disable=protected-access
+        config, mcfg, mesh, plan_lib.sampling_params(config, mcfg))
+    auto = progs["chunk"].compile()
+    state, engine = progs["chunk"].args_info[0][:2]
+    graphdef = nnx.graphdef(plan_lib.abstract_model(mcfg))
+    sampler = continuous.ContinuousSampler(
+        graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh)
+    shardings = auto.input_shardings[0]
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a._aval.dtype, sharding=s)  # pylint: disable=protected-access
+    key_data = jax.random.key_data(jax.random.key(0))
+    default = slot_programs.chunk_program.lower(
+        jax.tree.map(sds, state, shardings[0]), jax.tree.map(sds, engine, shardings[1]),
+        jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=shardings[2]),
+        jax.ShapeDtypeStruct((), bool, sharding=shardings[3]), graphdef=graphdef,
+        params=plan_lib.sampling_params(config, mcfg), mesh=mesh,
+        chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit).compile()
+  k = engine.slots.decode.cache.k  # [L, N, K, E, S], N over the 4 chips
+  whole_cache = int(np.prod(k.shape)) // 4
+  assert big_copies(default.as_text(), whole_cache)  # the relayout the default layout costs
+  assert big_copies(auto.as_text(), whole_cache) == []
+  assert auto.memory_analysis().temp_size_in_bytes < 0.6 * (
+      default.memory_analysis().temp_size_in_bytes)

@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from dapo_jax import distributed
 from dapo_jax import sharding as shd
 from dapo_jax.models.init import cast_params
+from dapo_jax.rollout import engine_programs
 from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import RolloutBatch
@@ -101,12 +102,12 @@ class ContinuousStream:
     self._state = cast_params(state, nnx.merge(sampler.graphdef, state).config.jnp_param_dtype)
     is_typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     key_data = np.asarray(jax.device_get(jax.random.key_data(key) if is_typed else key))
-    self._key = self._put(key_data.astype(np.uint32))
     self._queue_size = sampler.queue_prompts(num_samples)
-    self._engine = prog.init_program(
-        self._state, graphdef=sampler.graphdef, num_slots=sampler.num_slots,
-        queue_size=self._queue_size, num_samples=num_samples, prompt_length=self._p,
-        cache_length=self._p + params.max_new_tokens, mesh=mesh)
+    self._progs = sampler.programs(self._state, queue_size=self._queue_size,
+                                   num_samples=num_samples, prompt_length=self._p,
+                                   cache_length=self._p + params.max_new_tokens, params=params)
+    self._engine = self._progs.init(self._state)
+    self._key = self._put(key_data.astype(np.uint32))
     self._free_entries = list(range(self._queue_size))
     self._host: collections.deque[int] = collections.deque()  # seqs not yet enqueued
     self._groups: dict[int, _Group] = {}  # seq -> group, until returned by poll
@@ -116,9 +117,9 @@ class ContinuousStream:
   def _put(self, x: np.ndarray):
     """A host value (the same on every process) as a replicated input of the programs."""
     x = np.asarray(x)
+    sharding = self._progs.replicated
     if self._s.mesh is None:
-      return x
-    sharding = NamedSharding(self._s.mesh, PartitionSpec())
+      return jax.device_put(x, sharding)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
   def admit(self, prompt_ids: Sequence[int], prompt_index: int,
@@ -167,17 +168,14 @@ class ContinuousStream:
       true_len[row], key_id[row], seq[row] = grp.prompt_ids.size, grp.prompt_index, sq
       budget[row], entry[row] = grp.budget, self._free_entries.pop(0)
     args = map(self._put, (tokens, true_len, key_id, seq, budget, entry))
-    self._engine = prog.enqueue_program(self._state, self._engine, *args,
-                                        graphdef=self._s.graphdef, mesh=self._s.mesh)
+    self._engine = self._progs.enqueue(self._state, self._engine, *args)
     self._stats.enqueues += 1
     self._stats.prompts_prefilled += take
 
   def _chunk(self) -> list[int]:
     """One compiled chunk; returns the seqs of the groups it completed."""
-    self._engine, out = prog.chunk_program(
-        self._state, self._engine, self._key, self._put(np.asarray(bool(self._host))),
-        graphdef=self._s.graphdef, params=self._params, mesh=self._s.mesh,
-        chunk_steps=self._s.chunk_steps, max_admit=self._s.max_admit)
+    self._engine, out = self._progs.chunk(self._state, self._engine, self._key,
+                                          self._put(np.asarray(bool(self._host))))
     out = distributed.global_to_host(out)  # the one host read of the chunk
     st = self._stats
     st.chunks += 1
@@ -274,6 +272,20 @@ class ContinuousSampler:
     self._queue_prompts = queue_prompts
     self.max_admit = max_admit or min(num_slots, max(16, num_slots // 8))
     self.last_stats = RolloutStats()
+    self._programs: dict[tuple, engine_programs.EnginePrograms] = {}
+
+  def programs(self, state: nnx.State, *, queue_size: int, num_samples: int, prompt_length: int,
+               cache_length: int, params: SamplingParams) -> engine_programs.EnginePrograms:
+    """The compiled programs of streams of this shape (compiled on first use, then kept)."""
+    key = (engine_programs.signature(state), queue_size, num_samples, prompt_length,
+           cache_length, params)
+    if key not in self._programs:
+      self._programs[key] = engine_programs.EnginePrograms(
+          state, graphdef=self.graphdef, mesh=self.mesh, num_slots=self.num_slots,
+          queue_size=queue_size, num_samples=num_samples, prompt_length=prompt_length,
+          cache_length=cache_length, params=params, chunk_steps=self.chunk_steps,
+          max_admit=self.max_admit)
+    return self._programs[key]
 
   def queue_prompts(self, num_samples: int) -> int:
     """Device queue entries for a stream of `num_samples` per prompt."""
