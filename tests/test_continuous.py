@@ -207,11 +207,13 @@ def test_programs_are_compiled_once_per_stream_shape_and_hold_the_state_in_their
   sampler = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=4,
                                          max_prefill_length=16)
   params = SamplingParams(temperature=1.0, max_new_tokens=6, pad_id=0)
-  streams = [sampler.open_stream(state, params=params, num_samples=G, key=jax.random.key(s))
-             for s in range(2)]
-  assert len(sampler._programs) == 1  # pylint: disable=protected-access
+  twin = continuous.ContinuousSampler(graphdef, num_slots=NUM_SLOTS, chunk_steps=4,
+                                      max_prefill_length=16)
+  streams = [s.open_stream(state, params=params, num_samples=G, key=jax.random.key(i))
+             for i, s in enumerate((sampler, sampler, twin))]
   progs = streams[0]._progs  # pylint: disable=protected-access
-  assert streams[1]._progs is progs  # pylint: disable=protected-access
+  # One set of programs per shape for the process, another sampler of that shape included.
+  assert all(s._progs is progs for s in streams)  # pylint: disable=protected-access
   stream = streams[0]
   stream.admit([5, 6, 7], prompt_index=0)
   while stream.num_pending:
@@ -220,10 +222,11 @@ def test_programs_are_compiled_once_per_stream_shape_and_hold_the_state_in_their
   engine = stream._engine  # pylint: disable=protected-access
   assert [a.format for a in jax.tree.leaves(engine)] == jax.tree.leaves(progs.formats)
   # Another response budget is another program; other weights of the same layout are not.
-  sampler.open_stream(state, params=dataclasses.replace(params, max_new_tokens=8),
-                      num_samples=G, key=jax.random.key(0))
-  doubled = jax.tree.map(lambda x: x * 2, state)
-  sampler.open_stream(doubled, params=params, num_samples=G, key=jax.random.key(0))
-  assert len(sampler._programs) == 2  # pylint: disable=protected-access
+  longer = sampler.open_stream(state, params=dataclasses.replace(params, max_new_tokens=8),
+                               num_samples=G, key=jax.random.key(0))
+  doubled = sampler.open_stream(jax.tree.map(lambda x: x * 2, state), params=params,
+                                num_samples=G, key=jax.random.key(0))
+  assert longer._progs is not progs and doubled._progs is progs  # pylint: disable=protected-access
+  streams += [longer, doubled]
   for s in streams:
     s.close()

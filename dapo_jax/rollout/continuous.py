@@ -272,20 +272,15 @@ class ContinuousSampler:
     self._queue_prompts = queue_prompts
     self.max_admit = max_admit or min(num_slots, max(16, num_slots // 8))
     self.last_stats = RolloutStats()
-    self._programs: dict[tuple, engine_programs.EnginePrograms] = {}
 
   def programs(self, state: nnx.State, *, queue_size: int, num_samples: int, prompt_length: int,
                cache_length: int, params: SamplingParams) -> engine_programs.EnginePrograms:
-    """The compiled programs of streams of this shape (compiled on first use, then kept)."""
-    key = (engine_programs.signature(state), queue_size, num_samples, prompt_length,
-           cache_length, params)
-    if key not in self._programs:
-      self._programs[key] = engine_programs.EnginePrograms(
-          state, graphdef=self.graphdef, mesh=self.mesh, num_slots=self.num_slots,
-          queue_size=queue_size, num_samples=num_samples, prompt_length=prompt_length,
-          cache_length=cache_length, params=params, chunk_steps=self.chunk_steps,
-          max_admit=self.max_admit)
-    return self._programs[key]
+    """The compiled programs of streams of this shape (`engine_programs.programs_for`)."""
+    return engine_programs.programs_for(
+        state, graphdef=self.graphdef, mesh=self.mesh, num_slots=self.num_slots,
+        queue_size=queue_size, num_samples=num_samples, prompt_length=prompt_length,
+        cache_length=cache_length, params=params, chunk_steps=self.chunk_steps,
+        max_admit=self.max_admit)
 
   def queue_prompts(self, num_samples: int) -> int:
     """Device queue entries for a stream of `num_samples` per prompt."""

@@ -11,13 +11,16 @@ and out, donated), and `init` and `enqueue` are compiled to produce and take exa
 layouts the chunk chose, so the state is created in them and never relaid out. On CPU the
 compiler picks the default layouts: nothing changes there.
 
-One `EnginePrograms` serves every stream of one shape (queue, samples, prompt and cache
-length, sampling parameters, and the parameters' shapes, dtypes and shardings);
-`ContinuousSampler` keeps them by that key, so a trainer step compiles nothing new.
+One `EnginePrograms` serves every stream of one shape (model graph, mesh, slots, chunk size,
+queue, samples, prompt and cache length, sampling parameters, and the parameters' shapes,
+dtypes and shardings): `programs_for` keeps the most recent `CACHE_SIZE` of them for the whole
+process, as `jax.jit`'s own cache would, so a trainer step (or another sampler of the same
+shape) compiles nothing new.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -30,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout.sampling import SamplingParams
 
+CACHE_SIZE = 32  # stream shapes whose compiled programs the process keeps
 ENQUEUE_ARGS = 6  # tokens [M, P], true length [M], key id [M], seq [M], budget [M, G], entry [M]
 
 
@@ -125,3 +129,19 @@ class EnginePrograms:
           *(jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=rep) for a in host_args)
       ).compile()
     return self._enqueue[m](state, engine, *host_args)
+
+
+_CACHE: collections.OrderedDict[tuple, EnginePrograms] = collections.OrderedDict()
+
+
+def programs_for(state: nnx.State, **static) -> EnginePrograms:
+  """The `EnginePrograms` of this shape (`EnginePrograms`' keyword arguments), compiled on first
+  use and shared by every sampler of the process."""
+  key = (signature(state), tuple(sorted(static.items())))
+  if key in _CACHE:
+    _CACHE.move_to_end(key)
+  else:
+    _CACHE[key] = EnginePrograms(state, **static)
+    while len(_CACHE) > CACHE_SIZE:
+      _CACHE.popitem(last=False)
+  return _CACHE[key]
