@@ -91,13 +91,7 @@ def thunk_times(trace_dir: str, module: str) -> list[tuple[str, float]]:
 def prefill_floor_fn(model, batch: int, prompt_len: int):
   """The prefill's weight matmuls alone ([B*P, D] through every layer and the LM head once)."""
   d = model.config.hidden_size
-  ws = []
-  for layer in model.layers:
-    a, m = layer.self_attn, layer.mlp
-    ws.append((a.q_proj.kernel[...].reshape(d, -1), a.k_proj.kernel[...].reshape(d, -1),
-               a.v_proj.kernel[...].reshape(d, -1), a.o_proj.kernel[...].reshape(-1, d),
-               m.gate_proj.kernel[...], m.up_proj.kernel[...], m.down_proj.kernel[...]))
-  head = model.lm_head_kernel()
+  ws, head = dt.dense_weights(model)
 
   @jax.jit
   def run(x):

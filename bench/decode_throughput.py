@@ -191,6 +191,18 @@ def tunix_generate_fn(tunix_path: str, ckpt: str, ids: np.ndarray, new_tokens: i
   return run
 
 
+def dense_weights(model):
+  """Each layer's (q, k, v, o, gate, up, down) kernels as 2-D matrices, and the LM head."""
+  d = model.config.hidden_size
+  weights = []
+  for layer in model.layers:
+    a, m = layer.self_attn, layer.mlp
+    weights.append((a.q_proj.kernel[...].reshape(d, -1), a.k_proj.kernel[...].reshape(d, -1),
+                    a.v_proj.kernel[...].reshape(d, -1), a.o_proj.kernel[...].reshape(-1, d),
+                    m.gate_proj.kernel[...], m.up_proj.kernel[...], m.down_proj.kernel[...]))
+  return weights, model.lm_head_kernel()
+
+
 def matmul_bound_fn(model, batch: int, new_tokens: int, num_devices: int = 1):
   """The decode's dense matmuls ALONE (no attention, norms, RoPE, sampling, cache writes).
 
@@ -199,14 +211,7 @@ def matmul_bound_fn(model, batch: int, new_tokens: int, num_devices: int = 1):
   ``num_devices`` > 1 the rows split over that many CPU devices, weights replicated: the floor
   of the sampler's data-parallel layout.
   """
-  d = model.config.hidden_size
-  weights = []
-  for layer in model.layers:
-    a, m = layer.self_attn, layer.mlp
-    weights.append((a.q_proj.kernel[...].reshape(d, -1), a.k_proj.kernel[...].reshape(d, -1),
-                    a.v_proj.kernel[...].reshape(d, -1), a.o_proj.kernel[...].reshape(-1, d),
-                    m.gate_proj.kernel[...], m.up_proj.kernel[...], m.down_proj.kernel[...]))
-  head = model.lm_head_kernel()
+  weights, head = dense_weights(model)
 
   @jax.jit
   def steps(x_BxD):
