@@ -378,6 +378,61 @@ def factorial_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
   return "\n".join(lines)
 
 
+DIAGNOSTICS = (  # (curve, label, scale, format) for the per-cell table, run means over steps
+    ("entropy", "entropy", 1.0, ".4f"),
+    ("distinct_answers", "distinct answers / group", 1.0, ".2f"),
+    ("kept_ratio", "mixed-group share", 1.0, ".3f"),
+    ("pg_clipfrac", "clip fraction (%)", 100.0, ".3f"),
+    ("num_gen_batches", "gen. batches / step", 1.0, ".2f"),
+    ("response_length_mean", "response length", 1.0, ".2f"))
+DIAG_TERMS = ("clip_higher", "dynamic_sampling", "clip_higher x dynamic_sampling")
+
+
+def run_mean(run: dict[str, Any], curve: str) -> float:
+  """The mean over the run's steps of one logged curve (nan where it was never finite)."""
+  vals = [v for v in run["curve"][curve] if v is not None]
+  return float(np.mean(vals)) if vals else float("nan")
+
+
+def diagnostics_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
+                         seeds: Sequence[int]) -> str:
+  """Per factorial cell, the run means of the logged diagnostics (mean over seeds), then the
+  factorial effects of clip-higher, dynamic sampling and their interaction on each, and
+  clip-higher's effect on the generation batches dynamic sampling needs (its 8 cells)."""
+  cells = factorial_cells()
+  if any(s not in res.get(c, {}) for c in cells for s in seeds):
+    return "(needs the complete factorial)"
+  lines = ["| cell | " + " | ".join(d[1] for d in DIAGNOSTICS) + " |",
+           "|---|" + "---|" * len(DIAGNOSTICS)]
+  for c in cells:
+    vals = [np.mean([run_mean(res[c][s], key) for s in seeds]) * scale
+            for key, _, scale, _ in DIAGNOSTICS]
+    lines.append(f"| {run_name(c)[:-4]} | "
+                 + " | ".join(f"{v:{fmt}}" for v, (_, _, _, fmt) in zip(vals, DIAGNOSTICS)) + " |")
+  levels = np.array([[int(f in c) for f in FACTORS] for c in cells])
+  lines += ["", "Factorial effects on the run means (mean at +1 minus at -1, 95% CI; * where the "
+            "interval excludes 0):", "",
+            "| diagnostic | " + " | ".join(DIAG_TERMS) + " |", "|---|" + "---|" * len(DIAG_TERMS)]
+
+  def fmt(e: st.Estimate, f: str) -> str:
+    return (f"{e.mean:+{f}} [{e.lo:+{f}}, {e.hi:+{f}}]{' *' if e.excludes_zero else ''}")
+
+  for key, label, scale, f in DIAGNOSTICS:
+    if key == "num_gen_batches":
+      continue  # 1 by construction without dynamic sampling: below, on its own 8 cells
+    y = np.array([[scale * run_mean(res[c][s], key) for s in seeds] for c in cells])
+    eff = {e.term: e.estimate for e in st.factorial_effects(y, levels, FACTORS)}
+    lines.append(f"| {label} | " + " | ".join(fmt(eff[t], f) for t in DIAG_TERMS) + " |")
+  ds_cells = [c for c in cells if "dynamic_sampling" in c]
+  others = [f for f in FACTORS if f != "dynamic_sampling"]
+  y = np.array([[run_mean(res[c][s], "num_gen_batches") for s in seeds] for c in ds_cells])
+  eff = {e.term: e.estimate for e in st.factorial_effects(
+      y, np.array([[int(f in c) for f in others] for c in ds_cells]), others)}
+  lines += ["", "Generation batches per step with dynamic sampling (its 8 cells, a 2^3 "
+            f"factorial): clip-higher's effect {fmt(eff['clip_higher'], '.3f')}."]
+  return "\n".join(lines)
+
+
 def _band(runs: dict[int, dict[str, Any]], curve: str, key: str):
   """Steps and the per-seed values of one curve (the steps all seeds share)."""
   series = [dict(zip(r[curve]["step"], r[curve][key])) for r in runs.values()]
@@ -423,16 +478,21 @@ def report(configs, seeds, spec: Spec, results: str) -> str:
   mixed = [s for s, h in hashes.items() if len(h) > 1]
   text = [f"# CPU ablation ({spec.steps} RL steps, {spec.sft_steps} SFT steps, seeds "
           f"{list(seeds)})", "", "## Table 1 (cumulative)", "", table1_markdown(res), "",
-          "## 2^4 factorial", "", factorial_markdown(res, seeds)]
+          "## 2^4 factorial", "", factorial_markdown(res, seeds), "",
+          "## Diagnostics by factorial cell", "", diagnostics_markdown(res, seeds)]
   if mixed:
     text += ["", f"WARNING: seeds {mixed} have results from different warm starts (another "
              "machine or XLA build): paired differences mix them."]
   done = [r for c in res for r in res[c].values()]
   if done:
-    walls = [r["wall_s"] for r in done]
+    whole = [r for r in done if not r.get("resumed")]  # a resumed run's time is its last part
     hosts = sorted({f"{r['host']['cpu']}, {r['host']['cpu_count']} cores" for r in done})
-    text += ["", f"Wall time per run: median {np.median(walls):.0f} s, range "
-             f"{min(walls):.0f}-{max(walls):.0f} s over {len(walls)} runs ({'; '.join(hosts)})."]
+    if whole:
+      walls = [r["wall_s"] for r in whole]
+      text += ["", f"Wall time per run: median {np.median(walls):.0f} s, range "
+               f"{min(walls):.0f}-{max(walls):.0f} s, total {sum(walls) / 3600:.1f} h over "
+               f"{len(walls)} runs made in one go ({'; '.join(hosts)}); "
+               f"{len(done) - len(whole)} resumed runs left out."]
   if plot_figure2(res, os.path.join(results, "figure2.png")):
     text += ["", "![Figure 2](figure2.png)"]
   return "\n".join(text) + "\n"

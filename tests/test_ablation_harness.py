@@ -158,3 +158,37 @@ def test_run_all_skips_finished_runs_and_resumes(tmp_path):
   row2 = next(l for l in text.splitlines() if l.startswith("| + overlong filtering"))
   assert "| +1.0 [+1.0, +1.0] | 2 |" in row2, row2
   assert "factorial incomplete: 24 of 32 runs missing" in text
+
+
+def test_diagnostics_by_cell_and_their_factorial_effects():
+  seeds = [0, 1, 2]
+
+  def run(cell, seed):
+    ch, ds = int("clip_higher" in cell), int("dynamic_sampling" in cell)
+    steps = [1, 2]
+    curve = {"step": steps, "entropy": [0.05, 0.07], "pg_clipfrac": [0.001, None],
+             "response_length_mean": [20.0, 22.0],
+             # +0.3 per clip-higher, a seed offset (a block: it cancels in the effects)
+             "distinct_answers": [2.0 + 0.3 * ch + 0.1 * seed] * 2,
+             # an interaction only: 0.05 more when both are on
+             "kept_ratio": [0.4 + 0.05 * ch * ds, 0.4 + 0.05 * ch * ds],
+             "num_gen_batches": [1.0, 1.0] if not ds else [1.6 - 0.2 * ch, 2.0 - 0.2 * ch]}
+    return {"curve": curve}
+
+  res = {c: {s: run(c, s) for s in seeds} for c in T.factorial_cells()}
+  text = T.diagnostics_markdown(res, seeds)
+  lines = text.splitlines()
+  dapo = next(l for l in lines if l.startswith("| ch1_ds1_tl1_so1 |"))
+  # entropy 0.06, distinct 2.3 + 0.1 (seed mean), kept 0.45, clip 0.1% (None skipped), 1.6 gen
+  # batches (mean of 1.4 and 1.8), length 21
+  assert dapo == "| ch1_ds1_tl1_so1 | 0.0600 | 2.40 | 0.450 | 0.100 | 1.60 | 21.00 |", dapo
+  distinct = next(l for l in lines if l.startswith("| distinct answers"))
+  assert distinct.split(" | ")[1:] == ["+0.30 [+0.30, +0.30] *", "+0.00 [+0.00, +0.00]",
+                                       "+0.00 [+0.00, +0.00] |"], distinct
+  kept = next(l for l in lines if l.startswith("| mixed-group share"))
+  assert kept.split(" | ")[1:] == ["+0.025 [+0.025, +0.025] *", "+0.025 [+0.025, +0.025] *",
+                                   "+0.025 [+0.025, +0.025] * |"], kept
+  assert "clip-higher's effect -0.200 [-0.200, -0.200] *." in text
+  assert not any(l.startswith("| gen. batches") for l in lines[18:])  # not in the effects table
+  del res[frozenset()][2]
+  assert T.diagnostics_markdown(res, seeds) == "(needs the complete factorial)"
