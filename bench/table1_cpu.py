@@ -3,6 +3,7 @@
   python bench/table1_cpu.py                        # everything, 3 seeds, 160 RL steps a run
   python bench/table1_cpu.py --parts table1 --max_runs 6   # one sitting's share
   python bench/table1_cpu.py --dry_run              # what is done, what is left, the estimate
+  python bench/table1_cpu.py --shard 0/2 & python bench/table1_cpu.py --shard 1/2   # 2 processes
 
 Every run is `dapo-train --config configs/tiny_cpu.py:dapo` with the techniques switched by
 --config overrides, from a warm start shared per seed: the supervised phase (``sft.steps``) runs
@@ -212,7 +213,7 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
   config = tiny_config()
   config.seed, config.sft.steps = seed, sft_steps
-  stage = out + ".partial"
+  stage = f"{out}.partial-{os.getpid()}"  # per process: shards may make the same one at once
   shutil.rmtree(stage, ignore_errors=True)
   with tempfile.TemporaryDirectory() as tmp:
     run, state = run_setup.build_run(config, tmp)
@@ -224,7 +225,12 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
       run.tokenizer.save(stage)
   with open(os.path.join(stage, "warm_start.json"), "w", encoding="utf-8") as f:
     json.dump({"seed": seed, "sft_steps": sft_steps, **metrics}, f, indent=1)
-  os.replace(stage, out)
+  try:
+    os.replace(stage, out)
+  except OSError:
+    if not os.path.isdir(out):
+      raise
+    shutil.rmtree(stage)  # another shard finished it first: every run of the seed uses that one
 
 
 def ensure_warm_start(results: str, seed: int, sft_steps: int) -> tuple[str, str]:
@@ -272,17 +278,23 @@ WarmFn = Callable[[str, int, int], tuple[str, str]]
 
 
 def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec, results: str,
-            scratch: str, *, max_runs: int = 0, dry_run: bool = False,
+            scratch: str, *, max_runs: int = 0, dry_run: bool = False, shard: str = "0/1",
             train: RunFn = train_run, warm: WarmFn = ensure_warm_start) -> dict[str, int]:
-  """Runs what has no result yet, seed by seed; returns counts (planned, done, ran, left)."""
-  jobs = [(c, s) for s in seeds for c in configs]
+  """Runs what has no result yet, seed by seed; returns counts (planned, done, ran, left).
+
+  ``shard="i/n"``: only every n-th run of the plan from the i-th, so that n processes (or
+  machines sharing ``results``) split one plan without running anything twice.
+  """
+  i, n = parse_shard(shard)
+  jobs = [(c, s) for s in seeds for c in configs][i::n]
   todo = [(c, s) for c, s in jobs if load_result(result_path(results, run_name(c), s), spec)
           is None]
   done = [r for c, s in jobs if (r := load_result(result_path(results, run_name(c), s), spec))
           is not None]
   per_run = float(np.median([r["wall_s"] for r in done])) if done else float("nan")
   cpu = float(np.median([r.get("cpu_s", np.nan) for r in done])) if done else float("nan")
-  print(f"planned: {len(jobs)} runs ({len(configs)} configurations x {len(seeds)} seeds) of "
+  part = f" (shard {shard}: every {n}-th run of {len(configs) * len(seeds)})" if n > 1 else ""
+  print(f"planned: {len(jobs)} runs{part} ({len(configs)} configurations x {len(seeds)} seeds) of "
         f"{spec.steps} RL steps; {len(jobs) - len(todo)} done, {len(todo)} to go; median per "
         f"finished run {per_run:.0f} s wall, {cpu:.0f} CPU-s -> about "
         f"{per_run * len(todo) / 3600:.1f} h left (plus one warm start per new seed)", flush=True)
@@ -312,6 +324,16 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
           flush=True)
   return {"planned": len(jobs), "done": len(jobs) - len(todo) + ran, "ran": ran,
           "left": len(todo) - ran}
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+  try:
+    i, n = (int(x) for x in shard.split("/"))
+  except ValueError:
+    i, n = -1, 0
+  if not 0 <= i < n:
+    raise ValueError(f"--shard={shard!r}: expected i/n with 0 <= i < n, e.g. 0/2.")
+  return i, n
 
 
 def collect(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec, results: str
@@ -508,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "ablation"))
   p.add_argument("--scratch", default=os.path.join(ROOT, "workdirs", "ablation"))
   p.add_argument("--max_runs", type=int, default=0, help="stop after this many new runs (0: all)")
+  p.add_argument("--shard", default="0/1", help="i/n: run only every n-th planned run from the "
+                 "i-th (n processes or machines sharing --results split the plan)")
   p.add_argument("--dry_run", action="store_true", help="print the plan and the tables only")
   p.add_argument("--make_warm_start", type=int, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -527,9 +551,14 @@ def main(argv: Sequence[str] | None = None) -> None:
   spec = Spec(steps=base.num_steps if args.steps is None else args.steps, sft_steps=sft_steps,
               eval_every=base.eval.every if args.eval_every is None else args.eval_every)
   seeds = [int(s) for s in args.seeds.split(",")]
+  try:
+    parse_shard(args.shard)
+  except ValueError as e:
+    p.error(str(e))
   configs = planned(parts)
   start = time.perf_counter()
   counts = run_all(configs, seeds, spec, args.results, args.scratch, max_runs=args.max_runs,
+                   shard=args.shard,
                    dry_run=args.dry_run)
   os.makedirs(args.results, exist_ok=True)
   text = report(planned(PARTS), seeds, spec, args.results)

@@ -192,3 +192,30 @@ def test_diagnostics_by_cell_and_their_factorial_effects():
   assert not any(l.startswith("| gen. batches") for l in lines[18:])  # not in the effects table
   del res[frozenset()][2]
   assert T.diagnostics_markdown(res, seeds) == "(needs the complete factorial)"
+
+
+def test_shards_split_the_plan_without_overlap(tmp_path):
+  spec = T.Spec(steps=3, sft_steps=1, eval_every=3)
+  ran = {0: [], 1: [], 2: []}
+
+  def warm(results, seed, sft_steps):
+    return f"{results}/ws{seed}", "h" * 64
+
+  def train_as(shard):
+    def train(tech, seed, spec_, ws, workdir):
+      ran[shard].append((T.run_name(tech), seed))
+      return _rows(0.5, 0.6)
+    return train
+
+  configs, res = T.planned(T.PARTS), str(tmp_path / "res")
+  for i in range(3):
+    T.run_all(configs, [0, 1], spec, res, str(tmp_path), shard=f"{i}/3", train=train_as(i),
+              warm=warm)
+  runs = [r for i in range(3) for r in ran[i]]
+  assert len(runs) == len(set(runs)) == 36 and all(len(ran[i]) == 12 for i in range(3))
+  # The split depends on the plan only, not on what is done: a rerun of any shard runs nothing.
+  assert T.run_all(configs, [0, 1], spec, res, str(tmp_path), shard="1/3", train=train_as(1),
+                   warm=warm)["ran"] == 0
+  for bad in ("3/3", "1", "a/b", "-1/2"):
+    with pytest.raises(ValueError, match="--shard"):
+      T.parse_shard(bad)
