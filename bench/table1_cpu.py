@@ -293,7 +293,7 @@ def run_all(configs: Sequence[frozenset[str]], seeds: Sequence[int], spec: Spec,
           is not None]
   per_run = float(np.median([r["wall_s"] for r in done])) if done else float("nan")
   cpu = float(np.median([r.get("cpu_s", np.nan) for r in done])) if done else float("nan")
-  part = f" (shard {shard}: every {n}-th run of {len(configs) * len(seeds)})" if n > 1 else ""
+  part = f" (shard {shard} of {len(configs) * len(seeds)})" if n > 1 else ""
   print(f"planned: {len(jobs)} runs{part} ({len(configs)} configurations x {len(seeds)} seeds) of "
         f"{spec.steps} RL steps; {len(jobs) - len(todo)} done, {len(todo)} to go; median per "
         f"finished run {per_run:.0f} s wall, {cpu:.0f} CPU-s -> about "
