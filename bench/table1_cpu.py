@@ -455,6 +455,34 @@ def diagnostics_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
   return "\n".join(lines)
 
 
+def two_by_two_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
+                        seeds: Sequence[int], a: str = "dynamic_sampling",
+                        b: str = "soft_overlong") -> str:
+  """Mean gain (points), train accuracy and mixed-group share over the cells x seeds of each
+  level pair of two factors (the means behind their interaction), and Figure 2's arms' entropy
+  over the last 20 steps and held-out accuracy after RL (mean +- std over seeds)."""
+  cells = factorial_cells()
+  if any(s not in res.get(c, {}) for c in cells for s in seeds):
+    return "(needs the complete factorial)"
+  lines = [f"| {a} | {b} | mean gain (points) | train accuracy | mixed-group share |",
+           "|---|---|---|---|---|"]
+  for la in (0, 1):
+    for lb in (0, 1):
+      runs = [res[c][s] for c in cells if (a in c) == la and (b in c) == lb for s in seeds]
+      gain = np.mean([100 * (r["after"] - r["before"]) for r in runs])
+      lines.append(f"| {la} | {lb} | {gain:.2f}"
+                   f" | {np.mean([run_mean(r, 'acc_mean') for r in runs]):.3f}"
+                   f" | {np.mean([run_mean(r, 'kept_ratio') for r in runs]):.3f} |")
+  lines.append("")
+  for label, tech in FIGURE2.items():
+    last = st.mean_ci([np.mean([v for v in r["curve"]["entropy"][-20:] if v is not None])
+                       for r in res[tech].values()])
+    after = st.mean_ci([100 * r["after"] for r in res[tech].values()])
+    lines.append(f"Figure 2, {label}: entropy over the last 20 steps {last.mean:.4f} +- "
+                 f"{last.std:.4f}; held-out after RL {after.mean:.1f} +- {after.std:.1f}.")
+  return "\n".join(lines)
+
+
 def _band(runs: dict[int, dict[str, Any]], curve: str, key: str):
   """Steps and the per-seed values of one curve (the steps all seeds share)."""
   series = [dict(zip(r[curve]["step"], r[curve][key])) for r in runs.values()]
@@ -501,7 +529,9 @@ def report(configs, seeds, spec: Spec, results: str) -> str:
   text = [f"# CPU ablation ({spec.steps} RL steps, {spec.sft_steps} SFT steps, seeds "
           f"{list(seeds)})", "", "## Table 1 (cumulative)", "", table1_markdown(res), "",
           "## 2^4 factorial", "", factorial_markdown(res, seeds), "",
-          "## Diagnostics by factorial cell", "", diagnostics_markdown(res, seeds)]
+          "## Diagnostics by factorial cell", "", diagnostics_markdown(res, seeds), "",
+          "## Dynamic sampling x soft overlong punishment, and Figure 2's arms", "",
+          two_by_two_markdown(res, seeds)]
   if mixed:
     text += ["", f"WARNING: seeds {mixed} have results from different warm starts (another "
              "machine or XLA build): paired differences mix them."]

@@ -219,3 +219,25 @@ def test_shards_split_the_plan_without_overlap(tmp_path):
   for bad in ("3/3", "1", "a/b", "-1/2"):
     with pytest.raises(ValueError, match="--shard"):
       T.parse_shard(bad)
+
+
+def test_two_by_two_means_and_figure2_arms():
+  seeds = [0, 1]
+
+  def run(cell, seed):
+    ds, so = int("dynamic_sampling" in cell), int("soft_overlong" in cell)
+    gain = 0.10 + 0.05 * ds - 0.07 * so * (1 - ds)  # the soft penalty hurts only without ds
+    entropy = [0.08] * 140 + [0.04 + 0.002 * seed] * 20  # only the last 20 steps count
+    return {"before": 0.5, "after": 0.5 + gain + 0.01 * seed,
+            "curve": {"acc_mean": [0.6 - 0.1 * so], "kept_ratio": [0.4 + 0.02 * ds],
+                      "entropy": entropy}}
+
+  res = {c: {s: run(c, s) for s in seeds} for c in T.factorial_cells()}
+  lines = T.two_by_two_markdown(res, seeds).splitlines()
+  assert lines[2:6] == ["| 0 | 0 | 10.50 | 0.600 | 0.400 |", "| 0 | 1 | 3.50 | 0.500 | 0.400 |",
+                        "| 1 | 0 | 15.50 | 0.600 | 0.420 |", "| 1 | 1 | 15.50 | 0.500 | 0.420 |"]
+  # Figure 2's arms are DAPO with and without clip-higher: gain 15 (+1 at seed 1), before 50.
+  assert lines[7] == ("Figure 2, clip 0.2/0.2: entropy over the last 20 steps 0.0410 +- 0.0014; "
+                      "held-out after RL 65.5 +- 0.7."), lines[7]
+  del res[frozenset()][1]
+  assert T.two_by_two_markdown(res, seeds) == "(needs the complete factorial)"
