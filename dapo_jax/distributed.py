@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import jax
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
   from dapo_jax.rewards.batch import RewardBatch
 
 _log = logging.getLogger(__name__)
+
+# How long the coordinator waits, after the shutdown barrier, before it stops its service.
+SERVICE_SHUTDOWN_GRACE_S = 1.0
 
 
 def _detected_cluster() -> Any:
@@ -82,10 +86,42 @@ def maybe_initialize() -> bool:
   else:
     jax.distributed.initialize(local_device_ids=local_device_ids,
                                cluster_detection_method=env.name)
+  _stop_service_after_peers()
   _log.info("jax.distributed (%s): process %d of %d, %d local / %d global devices", source,
             jax.process_index(), jax.process_count(), jax.local_device_count(),
             jax.device_count())
   return True
+
+
+class _LateStoppingService:
+  """The coordinator's service, stopped ``grace_s`` after the shutdown barrier.
+
+  At exit JAX passes the shutdown barrier and stops the coordinator's gRPC service at once,
+  while each peer, released by the same barrier, is still tearing its agent down (stopping the
+  heartbeat, cancelling the error poll). A peer RPC that reaches the service while it is being
+  destroyed aborts the coordinator (``server.cc: Check failed: queue.Pop() == nullptr``, SIGABRT)
+  after a run that succeeded, seen once in CI on a 2-process CPU run. Waiting a moment first lets
+  those RPCs land; it costs the coordinator ``grace_s`` at exit and nothing else.
+  """
+
+  def __init__(self, service: Any, grace_s: float):
+    self._service = service
+    self.grace_s = grace_s
+
+  def shutdown(self) -> None:
+    time.sleep(self.grace_s)
+    self._service.shutdown()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._service, name)
+
+
+def _stop_service_after_peers(grace_s: float = SERVICE_SHUTDOWN_GRACE_S) -> None:
+  """On the coordinator, makes JAX's own exit-time shutdown stop the service last."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  state = jax_distributed.global_state
+  if state.service is not None and not isinstance(state.service, _LateStoppingService):
+    state.service = _LateStoppingService(state.service, grace_s)
 
 
 def is_multiprocess() -> bool:

@@ -123,8 +123,11 @@ _PROBE_WORKER = textwrap.dedent("""
     ones = jax.make_array_from_process_local_data(
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
         np.ones(jax.local_device_count(), np.float32))
+    from jax._src.distributed import global_state
+    service = type(global_state.service).__name__ if global_state.service else None
     print("RESULT", json.dumps({"started": started, "count": jax.process_count(),
-                                "index": jax.process_index(), "devices": jax.device_count(),
+                                "service": service, "index": jax.process_index(),
+                                "devices": jax.device_count(),
                                 "gathered": int(total), "psum": float(jnp.sum(ones))}))
 """)
 
@@ -160,9 +163,32 @@ def test_maybe_initialize_finds_a_tpu_pod_through_the_metadata_server(tmp_path):
   for r in results:
     assert r["started"] and r["count"] == 2 and r["devices"] == 4
     assert r["gathered"] == 3 and r["psum"] == 4.0
+  # Only the coordinator runs the service, and it stops it after the peers' last RPCs.
+  assert [r["service"] for r in sorted(results, key=lambda r: r["index"])] == [
+      "_LateStoppingService", None]
   for m in servers:
     asked = {path.rsplit("/", 1)[1] for path in m.requests}
     assert {"agent-worker-number", "worker-network-endpoints"} <= asked
+
+
+def test_the_coordinator_stops_its_service_after_a_grace():
+  """The wrapper JAX's exit-time shutdown calls: it waits, then stops the real service once."""
+  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+
+  class Service:
+    stopped_at = None
+    port = 1234
+
+    def shutdown(self):
+      assert self.stopped_at is None
+      self.stopped_at = time.monotonic()
+
+  real = Service()
+  late = distributed._LateStoppingService(real, grace_s=0.3)  # pylint: disable=protected-access
+  assert late.port == 1234  # everything else reaches the service
+  start = time.monotonic()
+  late.shutdown()
+  assert real.stopped_at - start >= 0.3
 
 
 def test_maybe_initialize_is_a_no_op_on_one_host(tmp_path):
