@@ -379,17 +379,28 @@ def table1_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]]) -> str
   return "\n".join(lines)
 
 
+def missing_factorial_runs(res: dict[frozenset[str], dict[int, dict[str, Any]]],
+                           seeds: Sequence[int]) -> int:
+  """How many factorial cell x seed runs have no result yet."""
+  return sum(s not in res.get(c, {}) for c in factorial_cells() for s in seeds)
+
+
+def factor_levels(cells: Sequence[frozenset[str]], factors: Sequence[str] = FACTORS) -> np.ndarray:
+  """The 0/1 level of each factor in each cell, [cells, factors]."""
+  return np.array([[int(f in c) for f in factors] for c in cells])
+
+
 def factorial_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
                        seeds: Sequence[int]) -> str:
   """Main effects and two-way interactions on the gain (points), 95% CIs; needs every cell x
   seed."""
   cells = factorial_cells()
-  missing = sum(s not in res.get(c, {}) for c in cells for s in seeds)
+  missing = missing_factorial_runs(res, seeds)
   if missing:
     return f"(factorial incomplete: {missing} of {len(cells) * len(seeds)} runs missing)"
   y = np.array([[100 * (res[c][s]["after"] - res[c][s]["before"]) for s in seeds]
                 for c in cells])
-  levels = np.array([[int(f in c) for f in FACTORS] for c in cells])
+  levels = factor_levels(cells)
   lines = ["| term | effect on gain (points) | 95% CI | CI excludes 0 |", "|---|---|---|---|"]
   for e in st.factorial_effects(y, levels, FACTORS):
     est = e.estimate
@@ -421,9 +432,9 @@ def diagnostics_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
   """Per factorial cell, the run means of the logged diagnostics (mean over seeds), then the
   factorial effects of clip-higher, dynamic sampling and their interaction on each, and
   clip-higher's effect on the generation batches dynamic sampling needs (its 8 cells)."""
-  cells = factorial_cells()
-  if any(s not in res.get(c, {}) for c in cells for s in seeds):
+  if missing_factorial_runs(res, seeds):
     return "(needs the complete factorial)"
+  cells = factorial_cells()
   lines = ["| cell | " + " | ".join(d[1] for d in DIAGNOSTICS) + " |",
            "|---|" + "---|" * len(DIAGNOSTICS)]
   for c in cells:
@@ -431,7 +442,7 @@ def diagnostics_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
             for key, _, scale, _ in DIAGNOSTICS]
     lines.append(f"| {run_name(c)[:-4]} | "
                  + " | ".join(f"{v:{fmt}}" for v, (_, _, _, fmt) in zip(vals, DIAGNOSTICS)) + " |")
-  levels = np.array([[int(f in c) for f in FACTORS] for c in cells])
+  levels = factor_levels(cells)
   lines += ["", "Factorial effects on the run means (mean at +1 minus at -1, 95% CI; * where the "
             "interval excludes 0):", "",
             "| diagnostic | " + " | ".join(DIAG_TERMS) + " |", "|---|" + "---|" * len(DIAG_TERMS)]
@@ -449,7 +460,7 @@ def diagnostics_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
   others = [f for f in FACTORS if f != "dynamic_sampling"]
   y = np.array([[run_mean(res[c][s], "num_gen_batches") for s in seeds] for c in ds_cells])
   eff = {e.term: e.estimate for e in st.factorial_effects(
-      y, np.array([[int(f in c) for f in others] for c in ds_cells]), others)}
+      y, factor_levels(ds_cells, others), others)}
   lines += ["", "Generation batches per step with dynamic sampling (its 8 cells, a 2^3 "
             f"factorial): clip-higher's effect {fmt(eff['clip_higher'], '.3f')}."]
   return "\n".join(lines)
@@ -461,9 +472,9 @@ def two_by_two_markdown(res: dict[frozenset[str], dict[int, dict[str, Any]]],
   """Mean gain (points), train accuracy and mixed-group share over the cells x seeds of each
   level pair of two factors (the means behind their interaction), and Figure 2's arms' entropy
   over the last 20 steps and held-out accuracy after RL (mean +- std over seeds)."""
-  cells = factorial_cells()
-  if any(s not in res.get(c, {}) for c in cells for s in seeds):
+  if missing_factorial_runs(res, seeds):
     return "(needs the complete factorial)"
+  cells = factorial_cells()
   lines = [f"| {a} | {b} | mean gain (points) | train accuracy | mixed-group share |",
            "|---|---|---|---|---|"]
   for la in (0, 1):
