@@ -225,12 +225,19 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
       run.tokenizer.save(stage)
   with open(os.path.join(stage, "warm_start.json"), "w", encoding="utf-8") as f:
     json.dump({"seed": seed, "sft_steps": sft_steps, **metrics}, f, indent=1)
+  publish_once(stage, out)
+
+
+def publish_once(stage: str, out: str) -> str:
+  """Renames the finished directory ``stage`` to ``out`` unless another process published
+  ``out`` first; then ``stage`` is dropped, so every run of the seed uses the first one."""
   try:
     os.replace(stage, out)
   except OSError:
     if not os.path.isdir(out):
       raise
-    shutil.rmtree(stage)  # another shard finished it first: every run of the seed uses that one
+    shutil.rmtree(stage)
+  return out
 
 
 def ensure_warm_start(results: str, seed: int, sft_steps: int) -> tuple[str, str]:

@@ -241,3 +241,22 @@ def test_two_by_two_means_and_figure2_arms():
                       "held-out after RL 65.5 +- 0.7."), lines[7]
   del res[frozenset()][1]
   assert T.two_by_two_markdown(res, seeds) == "(needs the complete factorial)"
+
+
+def test_two_shards_making_one_warm_start_keep_the_first(tmp_path):
+  """Shards that both make seed s's warm start: the first published stays, the second's stage
+  is dropped; a failure that published nothing is raised."""
+  out = str(tmp_path / "seed0_sft600")
+  stages = []
+  for pid, weights in ((11, "first"), (12, "second")):
+    stage = f"{out}.partial-{pid}"
+    os.makedirs(stage)
+    with open(os.path.join(stage, "model.safetensors"), "w", encoding="utf-8") as f:
+      f.write(weights)
+    stages.append(stage)
+  assert T.publish_once(stages[0], out) == out
+  assert T.publish_once(stages[1], out) == out
+  assert open(os.path.join(out, "model.safetensors"), encoding="utf-8").read() == "first"
+  assert sorted(os.listdir(tmp_path)) == ["seed0_sft600"]
+  with pytest.raises(OSError):
+    T.publish_once(str(tmp_path / "never_made"), str(tmp_path / "other"))
