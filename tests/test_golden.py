@@ -1,9 +1,13 @@
 """Golden regression tests: one train step on fixed inputs and a 3-step tiny run.
 
 Their metrics and final parameters must stay bit-identical across refactors. XLA:CPU results
-depend on the host's vector units, so the golden values are kept per CPU model in
-``tests/golden/<cpu>.json``; on a CPU with no file the tests record nothing and skip, saying
-how to record one. When a change is MEANT to alter the numerics, re-record with
+depend on the host's vector units, so the golden values are kept per CPU in
+``tests/golden/<cpu>.json``, ``<cpu>`` being the model name and a hash of the family, model and
+feature flags (what XLA:CPU compiles for); a file named by the model name alone is an older
+recording, used where no exact one exists. Each record names the jax, jaxlib, flax, optax and
+numpy versions it was made with. On a CPU with no file, or under other versions (a fresh install
+resolves the newest allowed releases), the tests compare nothing and skip, saying how to record.
+When a change is MEANT to alter the numerics, re-record with
 
     DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py
 
@@ -29,22 +33,41 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 UPDATE = os.environ.get("DAPO_UPDATE_GOLDEN") == "1"
 
 
-def _cpu_key() -> str:
-  name, avx512 = "unknown-cpu", False
+def _cpuinfo() -> str:
   try:
     with open("/proc/cpuinfo") as f:
-      info = f.read()
-    m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-    name = m.group(1) if m else name
-    avx512 = " avx512f" in info
+      return f.read()
   except OSError:
-    pass
-  slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-  return f"{slug}{'-avx512' if avx512 else ''}"
+    return ""
+
+
+def _legacy_cpu_key(info: str) -> str:
+  """The model name (and -avx512): the key of the first recordings."""
+  m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+  slug = re.sub(r"[^a-z0-9]+", "-", (m.group(1) if m else "unknown-cpu").lower()).strip("-")
+  return f"{slug}{'-avx512' if ' avx512f' in info else ''}"
+
+
+def _cpu_key(info: str) -> str:
+  """The model name and a hash of the first core's family, model and feature flags."""
+  def field(name: str) -> str:
+    m = re.search(rf"^{name}\s*:\s*(.*)$", info, re.M)
+    return m.group(1).strip() if m else ""
+  ident = "|".join([field("cpu family"), field("model"), " ".join(sorted(field("flags").split()))])
+  return f"{_legacy_cpu_key(info)}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
 
 
 def _golden_path() -> str:
-  return os.path.join(GOLDEN_DIR, f"{_cpu_key()}.json")
+  """The exact recording for this CPU, else an older one named by the model name alone."""
+  info = _cpuinfo()
+  exact = os.path.join(GOLDEN_DIR, f"{_cpu_key(info)}.json")
+  legacy = os.path.join(GOLDEN_DIR, f"{_legacy_cpu_key(info)}.json")
+  return exact if UPDATE or os.path.exists(exact) or not os.path.exists(legacy) else legacy
+
+
+def _versions() -> dict[str, str]:
+  import importlib.metadata as md  # pylint: disable=g-import-not-at-top
+  return {p: md.version(p) for p in ("jax", "jaxlib", "flax", "optax", "numpy")}
 
 
 def _digest(tree) -> dict[str, str]:
@@ -72,15 +95,20 @@ def _check(name: str, record: dict) -> None:
     with open(path) as f:
       golden = json.load(f)
   if UPDATE:
-    golden[name] = record
+    golden[name] = {**record, "versions": _versions()}
     os.makedirs(GOLDEN_DIR, exist_ok=True)
     with open(path, "w") as f:
       json.dump(golden, f, indent=1, sort_keys=True)
     return
+  record_how = "record them with DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py"
   if name not in golden:
-    pytest.skip(f"No golden values for {name!r} on this CPU ({_cpu_key()}); record them with "
-                "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py")
+    pytest.skip(f"No golden values for {name!r} on this CPU ({os.path.basename(path)}); "
+                f"{record_how}")
   want = golden[name]
+  recorded = want.get("versions")  # None: an older recording, made before versions were kept
+  if recorded is not None and recorded != _versions():
+    pytest.skip(f"Golden values for {name!r} were recorded under {recorded}, this is "
+                f"{_versions()}; {record_how}")
   how = (" If this change is meant to alter the numerics, re-record with "
          "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py and say why in the "
          "commit.")
