@@ -31,6 +31,7 @@ from tests.test_train_e2e import _small_config
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 UPDATE = os.environ.get("DAPO_UPDATE_GOLDEN") == "1"
+RECORD = "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py"
 
 
 def _cpuinfo() -> str:
@@ -100,18 +101,16 @@ def _check(name: str, record: dict) -> None:
     with open(path, "w") as f:
       json.dump(golden, f, indent=1, sort_keys=True)
     return
-  record_how = "record them with DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py"
   if name not in golden:
     pytest.skip(f"No golden values for {name!r} on this CPU ({os.path.basename(path)}); "
-                f"{record_how}")
+                f"record them with {RECORD}")
   want = golden[name]
   recorded = want.get("versions")  # None: an older recording, made before versions were kept
   if recorded is not None and recorded != _versions():
     pytest.skip(f"Golden values for {name!r} were recorded under {recorded}, this is "
-                f"{_versions()}; {record_how}")
-  how = (" If this change is meant to alter the numerics, re-record with "
-         "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py and say why in the "
-         "commit.")
+                f"{_versions()}; record them with {RECORD}")
+  how = (f" If this change is meant to alter the numerics, re-record with {RECORD} and say why "
+         "in the commit.")
   assert record["metrics"] == want["metrics"], (
       "metrics moved: " + ", ".join(
           f"{k}: {want['metrics'].get(k)} -> {record['metrics'].get(k)}"
