@@ -154,7 +154,8 @@ def decode_time_by_length(calls: Sequence[tuple[float, np.ndarray]], max_respons
 def pass_rate_metrics(generated_pass: np.ndarray, trained_pass: np.ndarray,
                       generated_trained: np.ndarray) -> dict[str, float]:
   """Pass-rate histograms (fractions) of generated and trained groups, and per bucket the share
-  of generated groups trained (NaN where none was generated).
+  of generated groups trained (left out where none was generated: 0/0 is no figure, and a NaN
+  would reach TensorBoard and metrics.jsonl as a warning and a null).
 
   Args:
     generated_pass: [groups generated this step] pass rates.
@@ -172,8 +173,8 @@ def pass_rate_metrics(generated_pass: np.ndarray, trained_pass: np.ndarray,
     n_gen = int((gen_b == k).sum())
     out[f"diag/pass_rate_generated/{name}"] = n_gen / max(gen_b.size, 1)
     out[f"diag/pass_rate_trained/{name}"] = float((kept_b == k).sum()) / max(kept_b.size, 1)
-    out[f"diag/accepted/{name}"] = (float((trained & (gen_b == k)).sum()) / n_gen
-                                    if n_gen else float("nan"))
+    if n_gen:
+      out[f"diag/accepted/{name}"] = float((trained & (gen_b == k)).sum()) / n_gen
   return out
 
 

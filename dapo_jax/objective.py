@@ -373,7 +373,10 @@ def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,
   if kind in ("k1", "kl"):
     return logp - ref
   if kind == "abs":
-    return jnp.abs(logp - ref)
+    # d * sign(d), not jnp.abs: abs'(0) is +1 in JAX, while the penalty's gradient where the
+    # policy equals the reference must be 0 (as verl's, which torch computes with sign(0) = 0).
+    d = logp - ref
+    return d * jax.lax.stop_gradient(jnp.sign(d))
   if kind in ("k3", "low_var_kl"):
     log_r = jnp.clip(ref - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     # r - log r - 1 >= 0; the clamp keeps rare outlier tokens from dominating.

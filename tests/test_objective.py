@@ -320,8 +320,17 @@ def test_kl_penalty_kinds():
   # Clamped to 10 where the reference is far more likely.
   assert float(obj.kl_penalty(jnp.array([[-30.0]]), jnp.array([[0.0]]),
                               "k3")[0, 0]) == 10.0
+  np.testing.assert_allclose(obj.kl_penalty(logp, ref, "abs"), [[math.log(2), 0.0]], rtol=1e-6)
   with pytest.raises(ValueError, match="'k1'"):
     obj.kl_penalty(logp, ref, "full")  # verl's whole-distribution KL is not offered
+
+
+def test_abs_kl_gradient_is_sign_of_the_difference_and_zero_at_equality():
+  # verl's |logp - ref| has gradient sign(d), 0 where the policy equals the reference (JAX's
+  # abs'(0) is +1: a policy at the reference would still be pushed down).
+  grad = jax.grad(lambda x: obj.kl_penalty(x, jnp.array([[0.0, 0.0, 0.0]]), "abs").sum())(
+      jnp.array([[0.0, 0.3, -0.2]]))
+  np.testing.assert_array_equal(grad, [[0.0, 1.0, -1.0]])
 
 
 def test_entropy_from_logits_stable_and_correct():
