@@ -255,6 +255,23 @@ def test_verl_microbatch_approximation():
         float(obj.agg_loss(loss_mat, mask, mode)), rel=1e-5)
 
 
+def test_token_sum_norm_against_verls_actor_divisor():
+  # verl's seq-mean-token-sum-norm: sum(loss*M)/R per micro-batch, divided by the number of
+  # micro-batches before accumulating: an effective divisor R x K (docs/algorithm.md section 4).
+  _, _, _, mask = _random_batch(seed=5)  # every row has a response token
+  loss_mat = jnp.asarray(np.random.default_rng(6).normal(size=mask.shape))
+  b, r = mask.shape
+  for k in (1, 2, 4):
+    micro = np.split(np.arange(b), k)
+    verls = sum(float((loss_mat[s] * mask[s]).sum()) / r / k for s in micro)
+    ours_verl_mode = sum(float(obj.agg_loss_verl_microbatch(
+        loss_mat[s], mask[s], "token-sum-norm", b)) for s in micro)
+    assert ours_verl_mode == pytest.approx(verls, rel=1e-5), k
+    # The exact mode divides by R alone: K times verl's, whatever the micro-batches.
+    exact = float(obj.agg_loss(loss_mat, mask, "token-sum-norm"))
+    assert exact == pytest.approx(k * verls, rel=1e-5), k
+
+
 def test_dr_grpo_denominator_uses_max_response_length():
   den = obj.loss_denominator(_MASK, "seq-mean-token-sum-norm",
                              max_response_length=10)
