@@ -3,24 +3,66 @@
 #   bash launch/multinode_gpu.sh --coordinator 10.0.0.1:1234 --nodes 16 --rank 0 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir /shared/runs/dapo_32b [--dry-run] [-- --config.x=y]
 set -euo pipefail
-coord="" nodes="" rank="" config="" workdir="" dry=0 extra=()
+usage() {
+  cat <<'EOF_USAGE'
+Usage: bash launch/multinode_gpu.sh --coordinator HOST:PORT --nodes N --rank R
+                                    --config FILE[:VARIANT] --workdir DIR [--dry-run]
+                                    [-- --config.x=y ...]
+
+Starts dapo-train on this host as process R of N; run it on every host, each with its own
+--rank. The processes find each other through the coordinator (rank 0's HOST:PORT).
+
+  --coordinator HOST:PORT  rank 0's address, reachable from every host
+  --nodes N                the number of hosts
+  --rank R                 this host's rank, 0 .. N-1
+  --config FILE[:VARIANT]  a config file (the same on every host)
+  --workdir DIR            the run directory, shared by every host (a shared file system or gs://)
+  --dry-run                check the config locally (it loads with the overrides and passes the
+                           config's checks), then print the command instead of running it
+  -h, --help               this text
+Config overrides go last, after --, as dapo-train takes them:
+  ... --workdir /shared/runs/x -- --config.optim.lr=1e-6
+EOF_USAGE
+}
+coordinator="" nodes="" rank="" config="" workdir="" dry=0 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --coordinator) coord="$2"; shift 2 ;;
+    --coordinator|--nodes|--rank|--config|--workdir)
+      [ $# -ge 2 ] || { echo "multinode_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
+  esac
+  case "$1" in
+    --config.*)  # a dapo-train override among these options
+      echo "multinode_gpu.sh: config overrides go after --:" \
+           "bash launch/multinode_gpu.sh ... -- $1" >&2
+      exit 2 ;;
+    --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;  # --opt=value as --opt value
+    --coordinator) coordinator="$2"; shift 2 ;;
     --nodes) nodes="$2"; shift 2 ;;
     --rank) rank="$2"; shift 2 ;;
     --config) config="$2"; shift 2 ;;
     --workdir) workdir="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
+    -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) echo "multinode_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-for v in coord nodes rank config workdir; do
-  [ -n "${!v}" ] || { echo "--$v is required" >&2; exit 2; }
+for v in coordinator nodes rank config workdir; do
+  [ -n "${!v}" ] || { echo "multinode_gpu.sh: --$v is required (see --help)" >&2; exit 2; }
 done
+[ -f "${config%%:*}" ] || { echo "multinode_gpu.sh: --config ${config%%:*}: no such file" \
+                                 "(relative paths start at $PWD)" >&2; exit 2; }
 # dapo_jax.distributed reads these three variables and calls jax.distributed.initialize.
-env_vars=(JAX_COORDINATOR_ADDRESS="$coord" JAX_NUM_PROCESSES="$nodes" JAX_PROCESS_ID="$rank")
-cmd=(env "${env_vars[@]}" dapo-train --config "$config" --workdir "$workdir" "${extra[@]}")
-if [ "$dry" = 1 ]; then printf '+'; printf ' %q' "${cmd[@]}"; echo; exit 0; fi
+env_vars=(JAX_COORDINATOR_ADDRESS="$coordinator" JAX_NUM_PROCESSES="$nodes"
+          JAX_PROCESS_ID="$rank")
+cmd=(env "${env_vars[@]}" dapo-train --config "$config" --workdir "$workdir"
+     ${extra[@]+"${extra[@]}"})
+if [ "$dry" = 1 ]; then
+  # A real run checks the same itself on start; the dry run checks before any host starts.
+  root="$(cd "$(dirname "$0")/.." && pwd -P)"
+  # shellcheck source=launch/preflight.sh
+  source "$root/launch/preflight.sh"
+  dapo_preflight "$root" --config "$config" -- ${extra[@]+"${extra[@]}"} || exit 2
+  printf '+'; printf ' %q' "${cmd[@]}"; echo; exit 0
+fi
 exec "${cmd[@]}"

@@ -1,20 +1,66 @@
 #!/usr/bin/env bash
 # DAPO on a Cloud TPU VM slice: create the slice (or reuse it; a preempted one is recreated),
 # copy the code, make a Python 3.11+ environment on every worker, start the same dapo-train on
-# every worker. Checkpoints and metrics go to the workdir (gs://...), so running the same
-# command again after a preemption resumes the run from its newest checkpoint.
+# every worker. Checked locally first (dapo_jax/launch_preflight.py). Options: --help.
 #   bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [-- --config.x=y]
-# Options: --version V (runtime image; default per --type, below), --spot, --venv DIR (on the
-# workers; default $HOME/dapo_venv there), --extra E (pip extra, default tpu), --skip-install
-# (use --venv as it is), --foreground (wait for the run; default: a detached tmux session per
-# worker), --dry-run (print the commands). Check first that the config fits:
-#   dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4
 set -euo pipefail
+usage() {
+  cat <<'EOF_USAGE'
+Usage: bash launch/tpu_vm.sh --name NAME --zone ZONE --type TYPE --config FILE[:VARIANT]
+                             --workdir DIR [options] [-- --config.x=y ...]
+
+Creates a Cloud TPU VM slice (or reuses a READY one; a PREEMPTED or STOPPED one is recreated),
+copies this checkout to every worker, makes a Python 3.11+ environment there and starts the
+same dapo-train on every worker. Checkpoints and metrics go to --workdir, so running the same
+command again after a preemption resumes the run from its newest checkpoint.
+
+Required:
+  --name NAME        the TPU VM's name
+  --zone ZONE        e.g. us-east5-a
+  --type TYPE        accelerator type, e.g. v4-8, v5p-128, v5litepod-16, v6e-8
+  --config FILE[:VARIANT]
+                     a config file inside this checkout (it is copied to the workers with it)
+  --workdir DIR      the run directory; gs://BUCKET/RUN on a slice of more than one host
+Options:
+  --version V        runtime image (default per generation: v6e v2-alpha-tpuv6e, v5p
+                     v2-alpha-tpuv5, v5litepod v2-alpha-tpuv5-lite, v4 tpu-ubuntu2204-base)
+  --spot             a Spot slice (preemptible: run the same command again to resume)
+  --venv DIR         Python environment on the workers (default $HOME/dapo_venv there)
+  --extra E          pip extra installed there (default tpu)
+  --skip-install     use --venv on the workers as it is
+  --foreground       wait for the run (default: a detached tmux session per worker)
+  --dry-run          run the local checks, then print the commands instead of running them
+  --skip-preflight   skip the local checks
+  -h, --help         this text
+
+Config overrides go last, after --, as dapo-train takes them:
+  ... --workdir gs://BUCKET/run -- --config.optim.lr=1e-6 --config.num_steps=200
+
+Before any gcloud call, a local Python with dapo_jax checks the launch: the accelerator type
+is known, the config file is in this checkout and loads with the overrides and passes the
+config's checks for the slice's device count, and a multi-host slice has a gs:// workdir.
+That Python is $DAPO_PYTHON, else the active virtualenv's, else ./.venv's, else python3.
+
+Example:
+  bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
+      --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b -- --config.seed=1
+Check first that the config fits: dapo-plan --config configs/dapo_qwen2_5_32b.py \
+  --target tpu:v5p:4x4x4
+EOF_USAGE
+}
 name="" zone="" type="" config="" workdir="" version="" venv="" pip_extra="tpu"
-skip_install=0 foreground=0 spot=0 dry=0 extra=()
+skip_install=0 foreground=0 spot=0 dry=0 preflight=1 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --name|--zone|--type|--config|--workdir|--version|--venv|--extra)
+      [ $# -ge 2 ] || { echo "tpu_vm.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
+  esac
+  case "$1" in
+    --config.*)  # a dapo-train override: a common slip is to write it among these options
+      echo "tpu_vm.sh: config overrides go after --: bash launch/tpu_vm.sh ... -- $1" >&2
+      exit 2 ;;
+    --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;  # --opt=value as --opt value
     --name) name="$2"; shift 2 ;;
     --zone) zone="$2"; shift 2 ;;
     --type) type="$2"; shift 2 ;;
@@ -27,13 +73,30 @@ while [ $# -gt 0 ]; do
     --foreground) foreground=1; shift ;;
     --spot) spot=1; shift ;;
     --dry-run) dry=1; shift ;;
+    --skip-preflight) preflight=0; shift ;;
+    -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) echo "tpu_vm.sh: unknown argument $1 (see bash launch/tpu_vm.sh --help)" >&2; exit 2 ;;
   esac
 done
 for v in name zone type config workdir; do
-  [ -n "${!v}" ] || { echo "--$v is required" >&2; exit 2; }
+  [ -n "${!v}" ] || { echo "tpu_vm.sh: --$v is required (see --help)" >&2; exit 2; }
 done
+root="$(cd "$(dirname "$0")/.." && pwd -P)"
+
+# 0. Local checks, before anything is created or billed.
+if [ "$preflight" = 1 ]; then
+  # shellcheck source=launch/preflight.sh
+  source "$root/launch/preflight.sh"
+  dapo_preflight "$root" --type "$type" --tree "$root" --config "$config" \
+    --workdir "$workdir" -- ${extra[@]+"${extra[@]}"} || exit 2
+fi
+# The workers run from the copy of the tree: the config's path relative to it.
+config_file="${config%%:*}"
+if [ -f "$config_file" ]; then
+  config_abs="$(cd "$(dirname "$config_file")" && pwd -P)/$(basename "$config_file")"
+  case "$config_abs" in "$root"/*) config="${config_abs#"$root"/}${config#"$config_file"}" ;; esac
+fi
 # Runtime images per generation (cloud.google.com/tpu/docs/runtimes). Ubuntu 22.04 ones ship
 # Python 3.10; worker_env.sh brings 3.11+ itself, so any of them works.
 if [ -z "$version" ]; then
@@ -46,15 +109,16 @@ if [ -z "$version" ]; then
   esac
 fi
 run() { if [ "$dry" = 1 ]; then printf '+'; printf ' %q' "$@"; echo; else "$@"; fi; }
-root="$(cd "$(dirname "$0")/.." && pwd)"
 tpu=(gcloud compute tpus tpu-vm)
 ssh_all=("${tpu[@]}" ssh "$name" --zone "$zone" --worker=all --command)
 
 # 1. The slice: reuse a running one; a preempted (or stopped) one cannot restart, so recreate it.
 state=""
+describe=("${tpu[@]}" describe "$name" --zone "$zone" --format='value(state)')
 if [ "$dry" = 0 ]; then
-  state="$("${tpu[@]}" describe "$name" --zone "$zone" --format='value(state)' 2>/dev/null)" \
-    || state=""
+  state="$("${describe[@]}" 2>/dev/null)" || state=""
+else
+  printf '# first, to reuse a READY slice:'; printf ' %q' "${describe[@]}"; echo
 fi
 case "$state" in
   READY|CREATING|STARTING|RESTARTING) echo "TPU $name is $state: reusing it." ;;

@@ -215,7 +215,10 @@ def _tpu_launch_cmd(workdir: str) -> list[str]:
   own Python environment (nothing installed) and a foreground run to wait for."""
   return ["bash", "launch/tpu_vm.sh", "--name", "dapo-test", "--zone", "us-west4-a",
           "--type", "v5litepod-16", "--config", "configs/tiny_cpu.py", "--workdir", workdir,
-          "--venv", sys.prefix, "--skip-install", "--foreground", "--", *RUN_FLAGS]
+          "--venv", sys.prefix, "--skip-install", "--foreground", "--", *RUN_FLAGS,
+          # The launch is checked for a real v5litepod-16's 16 chips (the fake has 8 CPU
+          # devices): 4 x 4 rows split over both.
+          "--config.optim.mini_batch_size=4"]
 
 
 def _worker_logs(cloud, name="dapo-test"):
@@ -293,8 +296,8 @@ def test_tpu_vm_script_trains_on_two_workers_and_resumes_after_preemption(tmp_pa
 def test_tpu_vm_script_picks_the_runtime_image_per_generation(tpu_type, version):
   out = subprocess.run(
       ["bash", "launch/tpu_vm.sh", "--name", "n", "--zone", "z", "--type", tpu_type, "--config",
-       "configs/tiny_cpu.py", "--workdir", "gs://b/r", "--dry-run"], cwd=ROOT,
-      capture_output=True, text=True, check=True).stdout
+       "configs/tiny_cpu.py", "--workdir", "gs://b/r", "--dry-run", "--skip-preflight"],
+      cwd=ROOT, capture_output=True, text=True, check=True).stdout
   assert f"--accelerator-type {tpu_type} --version {version}" in out
   bad = subprocess.run(["bash", "launch/tpu_vm.sh", "--name", "n", "--zone", "z", "--type",
                         "v9x-8", "--config", "c", "--workdir", "w", "--dry-run"], cwd=ROOT,

@@ -1,33 +1,133 @@
-"""Launch scripts parse (bash -n, shellcheck when installed) and print their dry runs."""
+"""Launch scripts parse (bash -n, shellcheck when installed), explain themselves (--help), refuse
+a bad launch with one line before any cloud call (dapo_jax/launch_preflight.py) and print their
+dry runs.
+
+The preflight imports JAX (about 3 s of CPU): the tests that reach it are few."""
 
 import os
+import re
 import shutil
 import subprocess
 
 import pytest
 
+from tests import cluster_fakes as fakes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(os.path.join(ROOT, "launch", f) for f in os.listdir(os.path.join(ROOT, "launch"))
                  if f.endswith((".sh", ".sbatch")))
+TPU_VM = os.path.join(ROOT, "launch", "tpu_vm.sh")
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
 def test_scripts_parse(path):
   subprocess.run(["bash", "-n", path], check=True)
   if shutil.which("shellcheck"):
-    subprocess.run(["shellcheck", "-S", "error", path], check=True)
+    subprocess.run(["shellcheck", "-x", "-S", "error", path], check=True, cwd=ROOT)
 
 
-def _dry(args, env=None):
-  out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True,
-                       env={**os.environ, **(env or {})})
+def _sh(args, env=None, cwd=ROOT, timeout=120):
+  return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                        env={**os.environ, **(env or {})})
+
+
+def _dry(args, env=None, cwd=ROOT):
+  out = _sh(args, env, cwd)
+  assert out.returncode == 0, out.stderr
   return out.stdout
 
 
-def test_tpu_vm_dry_run():
-  out = _dry(["bash", "launch/tpu_vm.sh", "--name", "dapo-32b", "--zone", "us-east5-a",
-              "--type", "v5p-128", "--config", "configs/dapo_qwen2_5_32b.py", "--workdir",
-              "gs://b/run", "--dry-run", "--", "--config.seed=1"]).replace("\\", "")
+def _options(script):
+  """The --options a script's argument loop accepts (its case labels)."""
+  with open(os.path.join(ROOT, "launch", script)) as f:
+    labels = re.findall(r"^ +(-[-a-z|]+)\)", f.read(), re.M)
+  return {o for label in labels for o in label.split("|") if o.startswith("--") and o != "--"}
+
+
+@pytest.mark.parametrize("script", ["tpu_vm.sh", "multinode_gpu.sh", "slurm_gpu.sbatch"])
+def test_help_lists_every_option(script):
+  for flag in ("--help", "-h"):
+    out = _sh(["bash", f"launch/{script}", flag])
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert out.stdout.startswith("Usage: ")
+    assert "overrides go last, after --" in out.stdout or "overrides follow WORKDIR" in out.stdout
+  missing = {o for o in _options(script) if o not in out.stdout}
+  assert not missing, f"{script} --help does not document {missing}"
+  if script == "tpu_vm.sh":
+    assert {"--name", "--dry-run", "--skip-preflight"} <= _options(script)
+    assert "Example:" in out.stdout and "-- --config." in out.stdout
+
+
+def _tpu_args(**kw):
+  args = {"name": "dapo-t", "zone": "us-west4-a", "type": "v5p-16",
+          "config": "configs/tiny_cpu.py", "workdir": "gs://b/run", **kw}
+  return [a for k, v in args.items() for a in (f"--{k}", v)]
+
+
+# Each launch is refused with one line (exit 2) before gcloud is ever run: no --dry-run, so a
+# missing check would reach the fake gcloud and log a call.
+REFUSED = {
+    "override before --": (
+        [*_tpu_args(), "--config.optim.lr=1e-6"],
+        {}, "config overrides go after --: bash launch/tpu_vm.sh ... -- --config.optim.lr=1e-6"),
+    "unknown argument": ([*_tpu_args(), "--zonee", "x"], {}, "unknown argument --zonee (see "),
+    "missing config": (_tpu_args(config="configs/nope.py:arg"), {},
+                       "--config configs/nope.py: no such file"),
+    "out-of-tree config": (_tpu_args(config="{tmp}/mine.py"), {}, "outside " + ROOT),
+    "local workdir, 2 hosts": (_tpu_args(workdir="/tmp/run"), {},
+                               "a v5p-16 slice has 2 hosts, each with its own disk"),
+    "unknown type": ([*_tpu_args(type="v9x-8"), "--version", "img"], {},
+                     "--type v9x-8: unknown accelerator type; known generations: v2, v3, v4, "),
+    "cores not chips": (_tpu_args(type="v4-12"), {}, "v4-N counts TensorCores"),
+    "no Python": (_tpu_args(), {"DAPO_PYTHON": "/nonexistent/python"},
+                  "no local Python to check the launch with (/nonexistent/python): set "
+                  "DAPO_PYTHON"),
+    # The one that loads the config: 16 x 8 rows of tiny_cpu on the 64 chips of a v5p-128.
+    "batch does not split": (_tpu_args(type="v5p-128"), {},
+                             ("launch preflight: error: config.optim.mini_batch_size=4: ",
+                              "on 64 devices")),
+}
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+  """One fake Cloud TPU for the refused launches: none of them may reach it."""
+  c = fakes.FakeTpuCloud(str(tmp_path_factory.mktemp("cloud")), num_workers=1)
+  yield c
+  c.close()
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=str)
+def test_tpu_vm_refuses_a_bad_launch_before_any_gcloud_call(case, cloud, tmp_path):
+  args, env, message = REFUSED[case]
+  shutil.copy(os.path.join(ROOT, "configs", "tiny_cpu.py"), tmp_path / "mine.py")
+  args = [a.format(tmp=tmp_path) for a in args]
+  out = _sh(["bash", TPU_VM, *args, "--venv", "/nonexistent", "--skip-install"],
+            cloud.env({**os.environ, **env}))
+  assert out.returncode == 2, (out.stdout, out.stderr)
+  for part in (message,) if isinstance(message, str) else message:
+    assert part in out.stderr, out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+  assert not out.stdout
+  assert cloud.calls() == [] and not os.path.exists(cloud.calls_path)
+
+
+def test_tpu_vm_dry_run(tmp_path):
+  """From another directory, with the config's absolute path: checked first, then the exact
+  commands, the config passed to the workers relative to the copied tree."""
+  cloud = fakes.FakeTpuCloud(str(tmp_path / "cloud"), num_workers=1)
+  try:
+    out = _sh(["bash", TPU_VM, *_tpu_args(name="dapo-32b", zone="us-east5-a", type="v5p-128",
+                                          config=f"{ROOT}/configs/dapo_qwen2_5_32b.py"),
+               "--dry-run", "--", "--config.seed=1"], cloud.env(dict(os.environ)), cwd=tmp_path)
+  finally:
+    cloud.close()
+  assert out.returncode == 0, out.stderr
+  assert cloud.calls() == []  # a dry run calls nothing, describe included
+  assert re.fullmatch(r"launch preflight: \S+dapo_qwen2_5_32b.py with 1 override\(s\) passes "
+                      r"the config checks for v5p-128 \(16 hosts, 64 devices\)\.\n", out.stderr)
+  out = out.stdout.replace("\\", "")
+  assert "tpu-vm describe dapo-32b --zone us-east5-a" in out.splitlines()[0]
   assert "tpu-vm create dapo-32b" in out and "--accelerator-type v5p-128 --version v2-alpha-tpuv5" \
       in out
   assert "--worker=all" in out and "launch/worker_env.sh $HOME/dapo_venv tpu 0" in out
@@ -38,14 +138,35 @@ def test_tpu_vm_dry_run():
 
 
 def test_slurm_and_multinode_dry_runs():
-  out = _dry(["bash", "launch/slurm_gpu.sbatch", "configs/dapo_qwen2_5_32b.py", "/runs/x"],
-             {"DRY_RUN": "1"})
-  assert out.startswith("+ export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7\n+ srun")
-  assert "--export=ALL dapo-train --config configs/dapo_qwen2_5_32b.py" in out
-  out = _dry(["bash", "launch/multinode_gpu.sh", "--coordinator", "10.0.0.1:1234", "--nodes",
-              "16", "--rank", "3", "--config", "configs/dapo_qwen2_5_32b.py", "--workdir",
-              "/runs/x", "--dry-run"])
-  assert "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234" in out and "JAX_PROCESS_ID=3" in out
-  bad = subprocess.run(["bash", "launch/multinode_gpu.sh", "--nodes", "2"], cwd=ROOT,
-                       capture_output=True, text=True)
-  assert bad.returncode == 2 and "--coord is required" in bad.stderr
+  """Each checks the config with its overrides (the count shows they reached the check), then
+  prints its command."""
+  out = _sh(["bash", "launch/slurm_gpu.sbatch", "configs/dapo_qwen2_5_32b.py", "/runs/x",
+             "--config.optim.lr=2e-6"], {"DRY_RUN": "1"})
+  assert out.returncode == 0, out.stderr
+  assert "dapo_qwen2_5_32b.py with 1 override(s) passes the config checks" in out.stderr
+  assert out.stdout.startswith("+ export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7\n+ srun")
+  assert "--export=ALL dapo-train --config configs/dapo_qwen2_5_32b.py --workdir /runs/x " \
+      "--config.optim.lr=2e-6" in out.stdout
+  out = _sh(["bash", "launch/multinode_gpu.sh", "--coordinator=10.0.0.1:1234", "--nodes", "16",
+             "--rank", "3", "--config", "configs/dapo_qwen2_5_32b.py", "--workdir", "/runs/x",
+             "--dry-run", "--", "--config.seed=1", "--config.num_steps=3"])
+  assert out.returncode == 0, out.stderr
+  assert "with 2 override(s) passes the config checks" in out.stderr
+  assert "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234" in out.stdout and "JAX_PROCESS_ID=3" in out.stdout
+  assert out.stdout.endswith("--config.seed=1 --config.num_steps=3\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch/multinode_gpu.sh", "--nodes", "2"], "multinode_gpu.sh: --coordinator is required"),
+    (["launch/multinode_gpu.sh", "--coordinator", "h:1", "--config.seed=1"],
+     "config overrides go after --: bash launch/multinode_gpu.sh ... -- --config.seed=1"),
+    (["launch/multinode_gpu.sh", "--coordinator", "h:1", "--nodes", "2", "--rank", "0",
+      "--config", "configs/nope.py", "--workdir", "/w"], "--config configs/nope.py: no such file"),
+    (["launch/slurm_gpu.sbatch", "--config", "configs/tiny_cpu.py"],
+     "the first two arguments are CONFIG and WORKDIR"),
+    (["launch/slurm_gpu.sbatch", "configs/nope.py", "/w"], "CONFIG configs/nope.py: no such file"),
+])
+def test_gpu_launchers_refuse_with_one_line(args, message):
+  out = _sh(["bash", *args])
+  assert out.returncode == 2 and message in out.stderr and not out.stdout, out
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
