@@ -1,0 +1,167 @@
+"""Decode attention over a paged KV cache (models/paged_kv.py), reading only live pages.
+
+    o_NxHxE = paged_decode_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N,
+                                     impl="auto")
+
+One query token per slot over the first ``length[n]`` tokens of the pages ``table[n]``;
+scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_attention`).
+``impl``:
+
+* "xla": the pure-JAX reference, any backend. A `lax.fori_loop` over blocks of pages with an
+  online softmax, its trip count ceil(max live length / block): the work grows with the
+  longest live slot of the batch, not with the slots' capacity, and as the bound is a runtime
+  value it runs inside the engine's compiled loop without a recompile per length (a static
+  bucketed gather would need one program per bucket, or a `lax.switch` over all of them).
+* "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (this pool's layout).
+* "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (this pool's layout).
+* "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla.
+
+`ragged_tpu_attention` wraps `...ops.tpu.ragged_paged_attention` (JAX's tuned TPU kernel), which
+takes K and V interleaved in one [P, T, 2K, E] array: a pool kept in that layout serves it
+without a copy (see docs/paged_kv_design.md). It only runs compiled by libtpu: its interpret
+mode fails on CPU in jax 0.10.2 ("'ReshapeTransform' object has no attribute 'indices'").
+
+Inactive slots (length 0) give finite values that are never read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dapo_jax.models import attention
+from dapo_jax.profiling import scoped
+
+PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+BLOCK_TOKENS = 256  # tokens per step of the reference loop (and per kernel compute block)
+
+
+def _divisor_at_most(m: int, cap: int) -> int:
+  return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
+
+
+def resolve_paged_impl(impl: str, platform: str | None = None) -> str:
+  if impl not in PAGED_IMPLS:
+    raise ValueError(f"paged attention impl={impl!r}; choose one of {PAGED_IMPLS}.")
+  if impl != "auto":
+    return impl
+  platform = platform or attention._backend()  # pylint: disable=protected-access
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+
+
+@scoped("attention_core")
+def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array,
+                              table_NxM: jax.Array, length_N: jax.Array, *,
+                              pages_per_block: int | None = None) -> jax.Array:
+  """The "xla" path (module docstring); dtypes as `attention.decode_attention`: q·k and p·v in
+  the query dtype with fp32 accumulation, softmax statistics in fp32."""
+  n, h, e = q_NxHxE.shape
+  kh, _, t, _ = k_KxPxTxE.shape
+  m = table_NxM.shape[1]
+  b = pages_per_block or max(1, min(m, BLOCK_TOKENS // t))
+  dtype = q_NxHxE.dtype
+  q_NxKxGxE = q_NxHxE.reshape(n, kh, h // kh, e)
+  low = jnp.finfo(jnp.float32).min
+  r_B = jnp.arange(b, dtype=jnp.int32)
+  r_BT = jnp.arange(b * t, dtype=jnp.int32)
+
+  def block(i, carry):
+    m_NxKxG, l_NxKxG, acc_NxKxGxE = carry
+    col_B = i * b + r_B
+    pages_NxB = jnp.maximum(jnp.take(table_NxM, jnp.minimum(col_B, m - 1), axis=1), 0)
+    k_KxNxBxTxE = jnp.take(k_KxPxTxE, pages_NxB, axis=1).astype(dtype)
+    v_KxNxBxTxE = jnp.take(v_KxPxTxE, pages_NxB, axis=1).astype(dtype)
+    s_NxKxGxBT = jnp.einsum("nkge,knbte->nkgbt", q_NxKxGxE, k_KxNxBxTxE,
+                            preferred_element_type=jnp.float32).reshape(n, kh, h // kh, b * t)
+    s_NxKxGxBT = s_NxKxGxBT * (e ** -0.5)
+    live_NxBT = (i * b * t + r_BT)[None] < length_N[:, None]
+    s_NxKxGxBT = jnp.where(live_NxBT[:, None, None], s_NxKxGxBT, low)
+    m_new = jnp.maximum(m_NxKxG, s_NxKxGxBT.max(-1))
+    alpha = jnp.exp(m_NxKxG - m_new)
+    p_NxKxGxBT = jnp.exp(s_NxKxGxBT - m_new[..., None])
+    l_new = alpha * l_NxKxG + p_NxKxGxBT.sum(-1)
+    pv = jnp.einsum("nkgbt,knbte->nkge", p_NxKxGxBT.reshape(n, kh, h // kh, b, t).astype(dtype),
+                    v_KxNxBxTxE, preferred_element_type=jnp.float32)
+    return m_new, l_new, alpha[..., None] * acc_NxKxGxE + pv
+
+  g = h // kh
+  init = (jnp.full((n, kh, g), low, jnp.float32), jnp.zeros((n, kh, g), jnp.float32),
+          jnp.zeros((n, kh, g, e), jnp.float32))
+  blocks = -(-jnp.max(length_N) // (b * t))
+  _, l_NxKxG, acc = jax.lax.fori_loop(0, blocks, block, init)
+  out = acc / jnp.maximum(l_NxKxG, jnp.finfo(jnp.float32).tiny)[..., None]
+  return out.astype(dtype).reshape(n, h, e)
+
+
+def _kernel_args(q_NxHxE, table_NxM, length_N):
+  # The kernels take q unscaled (no sm_scale argument), in-range page ids everywhere, and at
+  # least one token (a length-0 slot would leave its output unwritten).
+  e = q_NxHxE.shape[-1]
+  q = (q_NxHxE.astype(jnp.float32) * (e ** -0.5)).astype(q_NxHxE.dtype)
+  return q, jnp.maximum(table_NxM, 0), jnp.maximum(length_N, 1).astype(jnp.int32)
+
+
+def tpu_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N, *,
+                        interpret: bool | None = None):
+  """`jax.experimental.pallas.ops.tpu.paged_attention`; in Pallas TPU interpret mode under
+  `attention.interpret_pallas()` (tests on CPU). Its matmuls run at the TPU's DEFAULT precision
+  (one bf16 pass, emulated so in interpret mode too), so fp32 inputs agree with the reference
+  to bf16 rounding, not to fp32 rounding."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
+  interpret = attention._INTERPRET.get() if interpret is None else interpret  # pylint: disable=protected-access
+  q, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
+  t = k_KxPxTxE.shape[2]
+  ppcb = _divisor_at_most(table.shape[1], max(1, BLOCK_TOKENS // t))
+  run = lambda: tpu_pa.paged_attention(q, k_KxPxTxE, v_KxPxTxE, length, table,
+                                       pages_per_compute_block=ppcb)
+  if interpret:
+    with pltpu.force_tpu_interpret_mode():
+      return run()
+  return run()
+
+
+def gpu_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N, *,
+                        interpret: bool | None = None):
+  """`jax.experimental.pallas.ops.gpu.paged_attention` (Triton); `interpret=True` (or
+  `attention.interpret_pallas()`) runs it through the Pallas interpreter on any backend."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa
+  interpret = attention._INTERPRET.get() if interpret is None else interpret  # pylint: disable=protected-access
+  q, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
+  m, t = table.shape[1], k_KxPxTxE.shape[2]
+  k_splits = _divisor_at_most(m, 16)
+  ppcb = _divisor_at_most(m // k_splits, max(1, BLOCK_TOKENS // t))
+  return gpu_pa.paged_attention(q, k_KxPxTxE, v_KxPxTxE, table, length,
+                                k_splits=k_splits, pages_per_compute_block=ppcb,
+                                interpret=interpret)
+
+
+def combine_kv(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array) -> jax.Array:
+  """The ragged kernel's layout: [P, T, 2K, E], K and V of kv head k at 2k and 2k + 1."""
+  kh, p, t, e = k_KxPxTxE.shape
+  return jnp.stack([k_KxPxTxE, v_KxPxTxE], axis=1).transpose(2, 3, 0, 1, 4).reshape(
+      p, t, 2 * kh, e)
+
+
+def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: jax.Array,
+                         length_N: jax.Array) -> jax.Array:
+  """One decode token per slot through `...ops.tpu.ragged_paged_attention` (libtpu only)."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+  n, _, e = q_NxHxE.shape
+  _, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
+  cu_q_lens = jnp.arange(n + 1, dtype=jnp.int32)  # one query token per slot
+  return ragged_paged_attention(q_NxHxE, kv_PxTx2KxE, length, table, cu_q_lens,
+                                jnp.array([n], jnp.int32), sm_scale=e ** -0.5)
+
+
+def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array,
+                           table_NxM: jax.Array, length_N: jax.Array, *,
+                           impl: str = "auto") -> jax.Array:
+  """Decode attention over live pages with `impl` (module docstring); output like q."""
+  impl = resolve_paged_impl(impl)
+  fn = {"xla": reference_paged_attention, "pallas_tpu": tpu_paged_attention,
+        "pallas_gpu": gpu_paged_attention}[impl]
+  return fn(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N).astype(q_NxHxE.dtype)

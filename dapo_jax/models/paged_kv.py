@@ -1,0 +1,245 @@
+"""A paged KV cache: one page pool per data shard, per-slot page tables, refcounted pages.
+
+Shapes in names: L layers, K kv heads, E head dim, P pages in the pool, T tokens per page
+(page_size), N decode slots, M most pages per slot, A attaching slots, X page lists.
+
+Each layer's keys and values are [K, P, T, E] (a stacked model: [L, K, P, T, E]): the layout
+`jax.experimental.pallas.ops.tpu.paged_attention` and `...ops.gpu.paged_attention` read as
+they lie, so no kernel call copies or transposes the pool (see docs/paged_kv_design.md).
+
+Everything here is a pure function of fixed shapes, for use inside the engine's compiled
+`lax.while_loop`:
+
+* the free list IS the refcount: page p is free when ``refcount[p] == 0``. Allocation takes the
+  lowest free ids (a cumsum rank over [P], deterministic); freeing is a scatter-add of -1 that
+  handles pages shared by several freed slots at once. Its cost is O(P) int32 per step,
+  ~1e-5 of the step's KV bytes.
+* a prompt's pages are allocated once (`alloc`, refcount 1: the queue entry's hold), then each of
+  its samples `attach`es them (+1 each), and the queue `release`s its hold (-1) once all G are
+  placed: a prompt's KV is stored once, not G times, and admission copies no KV.
+* `reserve_append` gives each active slot the page and offset its next token goes to: a fresh
+  page when it crosses a page boundary, a private copy of a shared page (copy-on-write of the
+  last partial prompt page) when it first writes into one. A slot that cannot get a page is
+  flagged in `ok_N == False` and writes nothing: never silent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dapo_jax.models.kv_cache import Layers, per_layer
+
+
+def pages_for(length: jax.Array | int, page_size: int) -> jax.Array | int:
+  """Pages holding `length` tokens: ceil(length / page_size)."""
+  return -(-length // page_size)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """One data shard's page pool, page tables and lengths (see the module docstring)."""
+  k: Layers  # L x [K, P, T, E], or [L, K, P, T, E] stacked
+  v: Layers  # like k
+  refcount: jax.Array  # [P] int32 holders of each page (slots and queue entries); 0 = free
+  table: jax.Array  # [N, M] int32 slot n's pages in token order; -1 = none
+  length: jax.Array  # [N] int32 tokens stored in slot n's pages
+
+  @property
+  def stacked(self) -> bool:
+    return not isinstance(self.k, (tuple, list))
+
+  @property
+  def num_pages(self) -> int:
+    return self.refcount.shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return (self.k if self.stacked else self.k[0]).shape[-2]
+
+  @property
+  def max_pages(self) -> int:
+    return self.table.shape[1]
+
+  @classmethod
+  def zeros(cls, *, num_layers: int, num_slots: int, num_pages: int, page_size: int,
+            max_pages_per_slot: int, kv_heads: int, head_dim: int, dtype: Any,
+            stacked: bool = False) -> PagedKVCache:
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    if stacked:
+      k, v = (jnp.zeros((num_layers,) + shape, dtype) for _ in range(2))
+    else:
+      k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+      v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return cls(k=k, v=v, refcount=jnp.zeros((num_pages,), jnp.int32),
+               table=jnp.full((num_slots, max_pages_per_slot), -1, jnp.int32),
+               length=jnp.zeros((num_slots,), jnp.int32))
+
+  def free_pages(self) -> jax.Array:
+    return (self.refcount == 0).sum(dtype=jnp.int32)
+
+  def _drop(self, page: jax.Array, keep: jax.Array) -> jax.Array:
+    """`page` where `keep`, else P: an index every `mode="drop"` scatter ignores (-1 would
+    wrap around to the last page)."""
+    return jnp.where(keep & (page >= 0), page, self.num_pages)
+
+
+def _first_free(refcount_P: jax.Array, rank: jax.Array) -> jax.Array:
+  """The id of the `rank`-th free page (0-based, lowest ids first), -1 where there is none."""
+  free_P = refcount_P == 0
+  order_P = jnp.cumsum(free_P, dtype=jnp.int32) - 1  # rank of each free page
+  p = refcount_P.shape[0]
+  ids = jnp.full((p + 1,), -1, jnp.int32).at[jnp.where(free_P, order_P, p)].set(
+      jnp.arange(p, dtype=jnp.int32), mode="drop")
+  return ids[jnp.clip(rank, 0, p)]
+
+
+def alloc(cache: PagedKVCache, length: jax.Array) -> tuple[PagedKVCache, jax.Array, jax.Array]:
+  """Pages for a prompt of `length` tokens, held once (refcount 1). All or nothing: with too
+  few free pages nothing is taken and `ok` is False (admission waits).
+
+  Returns the cache, the pages [M] in token order (-1 past ceil(length / T)) and `ok`.
+  """
+  m = cache.max_pages
+  need = pages_for(length, cache.page_size)
+  ok = (need <= cache.free_pages()) & (need <= m)
+  r_M = jnp.arange(m, dtype=jnp.int32)
+  pages_M = jnp.where(ok & (r_M < need), _first_free(cache.refcount, r_M), -1)
+  refcount = cache.refcount.at[cache._drop(pages_M, pages_M >= 0)].set(1, mode="drop")
+  return cache.replace(refcount=refcount), pages_M, ok
+
+
+def release(cache: PagedKVCache, pages_XxM: jax.Array) -> PagedKVCache:
+  """Drops one hold on each listed page (-1 entries ignored); a page whose count reaches 0 is
+  free again. A page may appear several times (shared prompt pages of several slots)."""
+  ids = cache._drop(pages_XxM.reshape(-1), pages_XxM.reshape(-1) >= 0)
+  return cache.replace(refcount=cache.refcount.at[ids].add(-1, mode="drop"))
+
+
+def attach(cache: PagedKVCache, slots_A: jax.Array, pages_AxM: jax.Array,
+           length_A: jax.Array) -> PagedKVCache:
+  """Slots `slots_A` take the prompt pages `pages_AxM` holding `length_A` tokens (one more hold
+  each). Slot N (out of range) is batch padding and changes nothing."""
+  n = cache.table.shape[0]
+  real_A = slots_A < n
+  ids = cache._drop(pages_AxM, real_A[:, None] & (pages_AxM >= 0)).reshape(-1)
+  return cache.replace(refcount=cache.refcount.at[ids].add(1, mode="drop"),
+                       table=cache.table.at[slots_A].set(pages_AxM, mode="drop"),
+                       length=cache.length.at[slots_A].set(length_A, mode="drop"))
+
+
+def free_slots(cache: PagedKVCache, done_N: jax.Array) -> PagedKVCache:
+  """Finished slots give back their pages (shared prompt pages lose one hold each) and empty."""
+  cache = release(cache, jnp.where(done_N[:, None], cache.table, -1))
+  return cache.replace(table=jnp.where(done_N[:, None], -1, cache.table),
+                       length=jnp.where(done_N, 0, cache.length))
+
+
+@flax.struct.dataclass
+class Append:
+  """Where each slot's next token goes; `ok_N` False: it goes nowhere (inactive, or no page)."""
+  page: jax.Array  # [N] int32 (P where not ok: dropped by the writes)
+  offset: jax.Array  # [N] int32
+  ok: jax.Array  # [N] bool
+  out_of_pages: jax.Array  # [N] bool: active, but no free page (or past M pages)
+
+
+def reserve_append(cache: PagedKVCache, active_N: jax.Array) -> tuple[PagedKVCache, Append]:
+  """Makes room for one token in every active slot, at position ``length``.
+
+  A slot starting a page gets a fresh one; a slot writing into a page it shares (the last,
+  partial prompt page) gets a private copy of it (copy-on-write, all layers), except that when
+  every holder of a page writes into it in this same step, the lowest slot keeps the original.
+  Lengths do not change here: the caller writes the token (`write_token`) and then counts it
+  (`commit_append`).
+  """
+  n, m, t, p = cache.table.shape[0], cache.max_pages, cache.page_size, cache.num_pages
+  pos_N = cache.length
+  j_N, off_N = pos_N // t, pos_N % t
+  rows_N = jnp.arange(n, dtype=jnp.int32)
+  cur_N = jnp.where(j_N < m, cache.table[rows_N, jnp.minimum(j_N, m - 1)], -1)
+  fits_N = active_N & (j_N < m)
+  fresh_N = fits_N & (off_N == 0)
+  shared_N = fits_N & (off_N != 0) & (cache.refcount[jnp.maximum(cur_N, 0)] > 1)
+  # Holders of a shared page all writing now: the lowest slot keeps it, the others copy.
+  shared_ids = cache._drop(cur_N, shared_N)
+  writers_P = jnp.zeros((p,), jnp.int32).at[shared_ids].add(1, mode="drop")
+  first_P = jnp.full((p,), n, jnp.int32).at[shared_ids].min(rows_N, mode="drop")
+  cur0 = jnp.maximum(cur_N, 0)
+  keep_N = shared_N & (writers_P[cur0] == cache.refcount[cur0]) & (first_P[cur0] == rows_N)
+  cow_N = shared_N & ~keep_N
+  need_N = fresh_N | cow_N
+  new_N = jnp.where(need_N, _first_free(cache.refcount, jnp.cumsum(need_N) - 1), -1)
+  got_N = need_N & (new_N >= 0)
+  out_N = (active_N & ~fits_N) | (need_N & ~got_N)
+  ok_N = active_N & ~out_N
+
+  refcount = cache.refcount.at[cache._drop(new_N, got_N)].set(1, mode="drop")
+  refcount = refcount.at[cache._drop(cur_N, cow_N & got_N)].add(-1, mode="drop")
+  table = cache.table.at[jnp.where(got_N, rows_N, n), jnp.minimum(j_N, m - 1)].set(
+      new_N, mode="drop")
+  src_N, dst_N = jnp.maximum(cur_N, 0), cache._drop(new_N, cow_N & got_N)
+  axis = 2 if cache.stacked else 1  # the page axis of [L,] K, P, T, E
+
+  def copy(x: jax.Array) -> jax.Array:
+    idx = (slice(None),) * axis
+    return x.at[idx + (dst_N,)].set(jnp.take(x, src_N, axis=axis), mode="drop")
+
+  k, v = (copy(cache.k), copy(cache.v)) if cache.stacked else (
+      tuple(map(copy, cache.k)), tuple(map(copy, cache.v)))
+  page_N = jnp.where(need_N, new_N, cur_N)
+  return (cache.replace(k=k, v=v, refcount=refcount, table=table),
+          Append(page=cache._drop(page_N, ok_N), offset=off_N, ok=ok_N, out_of_pages=out_N))
+
+
+def write_token(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array, kn_NxKxE: jax.Array,
+                vn_NxKxE: jax.Array, app: Append, layer: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """One layer's new key and value per slot at (page, offset); slots not ok write nothing.
+  With `layer`, k and v are the stacked [L, K, P, T, E] pool and only that layer is written."""
+  kn, vn = kn_NxKxE.astype(k_KxPxTxE.dtype), vn_NxKxE.astype(v_KxPxTxE.dtype)
+  if layer is None:  # indices on the adjacent P, T axes: the update is [K, N, E]
+    idx, kn, vn = (slice(None), app.page, app.offset), kn.transpose(1, 0, 2), vn.transpose(1, 0, 2)
+  else:  # layer, K slice, P, T: indices split by a slice put N first: [N, K, E]
+    idx = (layer, slice(None), app.page, app.offset)
+  return k_KxPxTxE.at[idx].set(kn, mode="drop"), v_KxPxTxE.at[idx].set(vn, mode="drop")
+
+
+def commit_append(cache: PagedKVCache, app: Append) -> PagedKVCache:
+  """Counts the token each ok slot wrote."""
+  return cache.replace(length=cache.length + app.ok.astype(jnp.int32))
+
+
+def write_prompt(cache: PagedKVCache, pages_M: jax.Array, k_LxSxKxE: Layers,
+                 v_LxSxKxE: Layers, length: jax.Array) -> PagedKVCache:
+  """A prefilled prompt's keys and values (S >= length tokens, per layer [S, K, E]) into its
+  pages (`alloc`); tokens past `length` are dropped."""
+  s, t = (k_LxSxKxE if not isinstance(k_LxSxKxE, (tuple, list)) else k_LxSxKxE[0]).shape[-3], (
+      cache.page_size)
+  pos_S = jnp.arange(s, dtype=jnp.int32)
+  page_S = cache._drop(pages_M[jnp.minimum(pos_S // t, cache.max_pages - 1)], pos_S < length)
+
+  def put(pool: jax.Array, x_SxKxE: jax.Array) -> jax.Array:
+    return pool.at[:, page_S, pos_S % t].set(
+        x_SxKxE.transpose(1, 0, 2).astype(pool.dtype), mode="drop")
+
+  return cache.replace(k=per_layer(put, cache.k, k_LxSxKxE), v=per_layer(put, cache.v, v_LxSxKxE))
+
+
+def gather_dense(cache: PagedKVCache, layer: int, slots: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Slot rows as a dense cache layer (tests, debugging): k [N, K, E, M*T], v [N, K, M*T, E]
+  and valid [N, M*T], the layout `attention.decode_attention` reads."""
+  k, v = cache.k[layer], cache.v[layer]
+  table = cache.table if slots is None else cache.table[:slots]
+  kk, ee = k.shape[0], k.shape[-1]
+  n, m, t = table.shape[0], table.shape[1], cache.page_size
+  ids = jnp.maximum(table, 0)
+  k_NxKxSxE = jnp.take(k, ids, axis=1).transpose(1, 0, 2, 3, 4).reshape(n, kk, m * t, ee)
+  v_NxKxSxE = jnp.take(v, ids, axis=1).transpose(1, 0, 2, 3, 4).reshape(n, kk, m * t, ee)
+  length = cache.length if slots is None else cache.length[:slots]
+  valid_NxS = jnp.arange(m * t)[None] < length[:, None]
+  return k_NxKxSxE.transpose(0, 1, 3, 2), v_NxKxSxE, valid_NxS

@@ -1,0 +1,261 @@
+"""The paged KV cache (models/paged_kv.py) and decode attention over it (paged_attention.py).
+
+The allocator runs a random admit / decode / finish scenario against a plain-Python mirror of
+every slot's tokens; the attention paths are compared with the dense `decode_attention` on the
+same K/V content.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax.models import attention
+from dapo_jax.models import paged_attention as pa
+from dapo_jax.models import paged_kv as pkv
+
+L, K, E = 2, 2, 8  # layers, kv heads, head dim of the allocator tests
+
+_reserve = jax.jit(pkv.reserve_append)
+_alloc = jax.jit(pkv.alloc)
+_free = jax.jit(pkv.free_slots)
+_attach = jax.jit(pkv.attach)
+_release = jax.jit(pkv.release)
+_write_prompt = jax.jit(pkv.write_prompt)
+_commit = jax.jit(pkv.commit_append)
+
+
+@jax.jit
+def _write_all_layers(cache: pkv.PagedKVCache, kn_LxNxKxE, vn_LxNxKxE, app: pkv.Append):
+  if cache.stacked:
+    k, v = cache.k, cache.v
+    for layer in range(L):
+      k, v = pkv.write_token(k, v, kn_LxNxKxE[layer], vn_LxNxKxE[layer], app, layer)
+  else:
+    kv = [pkv.write_token(k, v, kn, vn, app)
+          for k, v, kn, vn in zip(cache.k, cache.v, kn_LxNxKxE, vn_LxNxKxE)]
+    k, v = tuple(x[0] for x in kv), tuple(x[1] for x in kv)
+  return pkv.commit_append(cache.replace(k=k, v=v), app)
+
+
+class Mirror:
+  """What each slot must hold: its tokens' K/V in order, and who holds each page."""
+
+  def __init__(self, cache: pkv.PagedKVCache):
+    self.cache = cache
+    n = cache.table.shape[0]
+    self.tokens = [[] for _ in range(n)]  # per slot: list of (k [L, K, E], v [L, K, E])
+    self.queue_holds: list[np.ndarray] = []  # pages held by queue entries
+
+  def check(self):
+    c = jax.device_get(self.cache)
+    table, length, refcount = np.asarray(c.table), np.asarray(c.length), np.asarray(c.refcount)
+    holders = np.zeros_like(refcount)
+    for n, toks in enumerate(self.tokens):
+      assert length[n] == len(toks)
+      live = table[n][table[n] >= 0]
+      assert len(live) == pkv.pages_for(len(toks), c.page_size), (n, table[n], len(toks))
+      np.add.at(holders, live, 1)
+    for pages in self.queue_holds:
+      np.add.at(holders, pages[pages >= 0], 1)
+    np.testing.assert_array_equal(refcount, holders)  # every hold counted, nothing leaked
+    assert (refcount >= 0).all()
+    # A page two slots hold is a prompt page: one both took by `attach`, never written since.
+    owners: dict[int, list[int]] = {}
+    for n in range(table.shape[0]):
+      for j, p in enumerate(table[n]):
+        if p >= 0:
+          owners.setdefault(int(p), []).append((n, j))
+    for p, who in owners.items():
+      if len(who) > 1:
+        assert len({j for _, j in who}) == 1 and refcount[p] >= len(who)
+    for layer in range(L):
+      k_NxKxExS, v_NxKxSxE, valid = (np.asarray(x) for x in pkv.gather_dense(c, layer))
+      for n, toks in enumerate(self.tokens):
+        for s, (kt, vt) in enumerate(toks):
+          np.testing.assert_array_equal(k_NxKxExS[n, :, :, s], kt[layer])
+          np.testing.assert_array_equal(v_NxKxSxE[n, :, s], vt[layer])
+        assert valid[n].sum() == len(toks)
+
+
+def _kv(rng, *shape):
+  return rng.normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_allocator_scenario_keeps_every_page_and_token(stacked):
+  """Prompts shared by G samples, copy-on-write of their last page, random decode and finish:
+  after every step pages are conserved, refcounts equal the holders, only prompt pages are
+  shared, and every slot reads back exactly the tokens written to it."""
+  rng = np.random.default_rng(0)
+  n, t, m, g = 6, 4, 6, 3
+  cache = pkv.PagedKVCache.zeros(num_layers=L, num_slots=n, num_pages=40, page_size=t,
+                                 max_pages_per_slot=m, kv_heads=K, head_dim=E,
+                                 dtype=jnp.float32, stacked=stacked)
+  mir = Mirror(cache)
+  s_max = 8
+  for step in range(14):
+    free_slots = [i for i in range(n) if not mir.tokens[i]]
+    if len(free_slots) >= g:  # admit a prompt: its pages allocated once, attached G times
+      plen = int(rng.integers(1, s_max + 1))
+      kp, vp = _kv(rng, L, s_max, K, E), _kv(rng, L, s_max, K, E)
+      c, pages, ok = _alloc(mir.cache, jnp.int32(plen))
+      assert bool(ok)
+      pk = kp if stacked else tuple(kp)
+      pv = vp if stacked else tuple(vp)
+      c = _write_prompt(c, pages, pk, pv, jnp.int32(plen))
+      slots = np.array(free_slots[:g] + [n], np.int32)  # one padding entry (dropped)
+      c = _attach(c, jnp.asarray(slots), jnp.tile(pages[None], (g + 1, 1)),
+                  jnp.full((g + 1,), plen, jnp.int32))
+      mir.queue_holds.append(np.asarray(pages))
+      for i in slots[:g]:
+        mir.tokens[i] = [(kp[:, s], vp[:, s]) for s in range(plen)]
+      mir.cache = c
+      mir.check()
+      if step % 2 == 0:  # the queue drops its hold once all G are placed
+        mir.cache = _release(mir.cache, mir.queue_holds.pop()[None])
+    # Decode: a random subset of the live slots writes one token each.
+    live = np.array([bool(x) and len(x) < m * t for x in mir.tokens])
+    active = live & (rng.random(n) < 0.8)
+    c, app = _reserve(mir.cache, jnp.asarray(active))
+    np.testing.assert_array_equal(np.asarray(app.ok), active)  # the pool is large enough
+    kn, vn = _kv(rng, L, n, K, E), _kv(rng, L, n, K, E)
+    mir.cache = _write_all_layers(c, jnp.asarray(kn), jnp.asarray(vn), app)
+    for i in np.flatnonzero(active):
+      mir.tokens[i].append((kn[:, i], vn[:, i]))
+    mir.check()
+    done = live & (rng.random(n) < 0.2)
+    mir.cache = _free(mir.cache, jnp.asarray(done))
+    for i in np.flatnonzero(done):
+      mir.tokens[i] = []
+    mir.check()
+  mir.cache = _free(mir.cache, jnp.ones((n,), bool))
+  mir.cache = _release(mir.cache, jnp.asarray(np.stack(mir.queue_holds))) if mir.queue_holds \
+      else mir.cache
+  mir.tokens, mir.queue_holds = [[] for _ in range(n)], []
+  mir.check()
+  assert int(mir.cache.free_pages()) == 40  # everything came back
+
+
+def test_all_holders_writing_at_once_copy_all_but_one():
+  """G samples whose prompt ends mid-page all write their first token in one step: G - 1
+  copies, the lowest slot keeps the original, and the prompt tokens survive in every copy."""
+  g, t = 3, 4
+  cache = pkv.PagedKVCache.zeros(num_layers=1, num_slots=g, num_pages=8, page_size=t,
+                                 max_pages_per_slot=2, kv_heads=1, head_dim=2,
+                                 dtype=jnp.float32)
+  cache, pages, _ = pkv.alloc(cache, jnp.int32(2))
+  kp = jnp.arange(4 * 2, dtype=jnp.float32).reshape(1, 4, 1, 2)
+  cache = pkv.write_prompt(cache, pages, (kp[0],), (-kp[0],), jnp.int32(2))
+  cache = pkv.attach(cache, jnp.arange(g), jnp.tile(pages[None], (g, 1)),
+                     jnp.full((g,), 2, jnp.int32))
+  cache = pkv.release(cache, pages[None])  # the queue's hold
+  assert int(cache.refcount[pages[0]]) == g
+  cache, app = pkv.reserve_append(cache, jnp.ones((g,), bool))
+  assert np.asarray(app.ok).all() and int(cache.free_pages()) == 8 - g
+  assert int(app.page[0]) == int(pages[0]) and len(set(np.asarray(app.page).tolist())) == g
+  assert (np.asarray(cache.refcount)[np.asarray(app.page)] == 1).all()
+  k, _, _ = pkv.gather_dense(cache, 0)
+  np.testing.assert_array_equal(np.asarray(k)[:, 0, :, :2],
+                                np.tile(np.asarray(kp[0, :2, 0]).T[None], (g, 1, 1)))
+
+
+def test_out_of_pages_is_flagged_and_writes_nothing():
+  t = 2
+  cache = pkv.PagedKVCache.zeros(num_layers=1, num_slots=3, num_pages=4, page_size=t,
+                                 max_pages_per_slot=3, kv_heads=1, head_dim=2,
+                                 dtype=jnp.float32)
+  cache, _, ok = pkv.alloc(cache, jnp.int32(7))  # 4 pages needed, 4 free, but M = 3
+  assert not bool(ok) and int(cache.free_pages()) == 4
+  active = jnp.ones((3,), bool)
+  for step in range(3):  # 3 slots x 1 page, then each needs a second page: only 1 is left
+    cache, app = pkv.reserve_append(cache, active)
+    k, v = pkv.write_token(cache.k[0], cache.v[0], jnp.full((3, 1, 2), step + 1.0),
+                           jnp.full((3, 1, 2), step + 1.0), app)
+    cache = pkv.commit_append(cache.replace(k=(k,), v=(v,)), app)
+    ok = np.asarray(app.ok)
+    if step < 2:
+      assert ok.all()
+  np.testing.assert_array_equal(ok, [True, False, False])
+  np.testing.assert_array_equal(np.asarray(app.out_of_pages), [False, True, True])
+  np.testing.assert_array_equal(np.asarray(cache.length), [3, 2, 2])
+  k, _, valid = pkv.gather_dense(cache, 0)
+  np.testing.assert_array_equal(np.where(valid, np.asarray(k)[:, 0, 0], 0)[:, :4],
+                                [[1, 2, 3, 0], [1, 2, 0, 0], [1, 2, 0, 0]])
+  # The flagged slots wrote nowhere: the pool holds the 7 counted tokens and zeros.
+  pool = np.sort(np.asarray(cache.k[0]).reshape(-1))
+  np.testing.assert_array_equal(pool[pool != 0], [1] * 6 + [2] * 6 + [3] * 2)
+  _, ok = pkv.alloc(cache, jnp.int32(1))[::2]
+  assert not bool(ok)
+
+
+def _paged_problem(seed, n, h, kh, e, t, m, lengths, dtype=np.float32):
+  """Random pages, a shuffled page table per slot, and the same content as a dense cache."""
+  rng = np.random.default_rng(seed)
+  p = n * m + 3
+  k = rng.normal(size=(kh, p, t, e)).astype(dtype)
+  v = rng.normal(size=(kh, p, t, e)).astype(dtype)
+  table = rng.permutation(p)[:n * m].reshape(n, m).astype(np.int32)
+  length = np.asarray(lengths, np.int32)
+  table = np.where(np.arange(m)[None] < -(-length[:, None] // t), table, -1)
+  q = rng.normal(size=(n, h, e)).astype(dtype)
+  cache = pkv.PagedKVCache(k=(jnp.asarray(k),), v=(jnp.asarray(v),),
+                           refcount=jnp.zeros((p,), jnp.int32), table=jnp.asarray(table),
+                           length=jnp.asarray(length))
+  dense = attention.decode_attention(jnp.asarray(q), *pkv.gather_dense(cache, 0))
+  return jnp.asarray(q), cache, np.asarray(dense)
+
+
+@pytest.mark.parametrize("t,h,kh,block", [(4, 4, 4, 1), (4, 8, 2, 3), (16, 6, 1, None),
+                                          (8, 4, 2, 100)])
+def test_reference_paged_attention_equals_dense(t, h, kh, block):
+  m = 40 // t + 1
+  lengths = [1, t, t + 1, 17, 40, 3][: 6]
+  q, c, dense = _paged_problem(0, 6, h, kh, 16, t, m, lengths)
+  fn = jax.jit(functools.partial(pa.reference_paged_attention, pages_per_block=block))
+  out = fn(q, c.k[0], c.v[0], c.table, c.length)
+  np.testing.assert_allclose(np.asarray(out), dense, atol=1e-6, rtol=1e-6)
+
+
+def _bf16_exact(x):
+  return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def test_tpu_kernel_in_interpret_mode_matches_reference():
+  """The Pallas TPU kernel runs its matmuls as the TPU does at DEFAULT precision (one bf16 pass,
+  emulated in interpret mode): on bf16-exact inputs it agrees with the reference to the bf16
+  rounding of the softmax weights; a wrong page or length would be off by O(1)."""
+  q, c, _ = _paged_problem(1, 3, 4, 2, 128, 16, 4, [5, 33, 64])
+  q, k, v = _bf16_exact(q), _bf16_exact(c.k[0]), _bf16_exact(c.v[0])
+  ref = pa.reference_paged_attention(q, k, v, c.table, c.length)
+  with attention.interpret_pallas():
+    out = pa.paged_decode_attention(q, k, v, c.table, c.length, impl="pallas_tpu")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-2)
+
+
+def test_gpu_kernel_in_interpret_mode_matches_reference():
+  q, c, dense = _paged_problem(2, 3, 4, 2, 16, 4, 8, [1, 13, 32])
+  out = pa.gpu_paged_attention(q, c.k[0], c.v[0], c.table, c.length, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]')")
+def test_ragged_kernel_compiles_for_tpu():
+  from dapo_jax import plan  # pylint: disable=g-import-not-at-top
+  plan.prepare_libtpu_env("tpu:v5p:2x2x1")
+  device = plan.tpu_devices("v5p:2x2x1")[0]
+  n, h, kh, e, p, t, m = 8, 16, 8, 128, 64, 16, 8
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  with attention.compile_for("tpu"):
+    lowered = jax.jit(pa.ragged_tpu_attention).lower(
+        spec((n, h, e), jnp.bfloat16), spec((p, t, 2 * kh, e), jnp.bfloat16),
+        spec((n, m), jnp.int32), spec((n,), jnp.int32))
+    lowered.compile()  # raises if libtpu's Mosaic compiler rejects the kernel
+  assert lowered.out_info.shape == (n, h, e)
