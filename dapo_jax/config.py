@@ -16,7 +16,7 @@ import ml_collections
 from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
 from dapo_jax.models.config import Qwen2Config
-from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES
+from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -105,6 +105,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.algorithm.kl_loss_coef = 0.001  # verl's default
   c.algorithm.kl_loss_type = "low_var_kl"  # verl's estimator names (objective.KL_PENALTY_KINDS)
   c.algorithm.entropy_coeff = 0.0
+  # Rollout correction (objective.rollout_correction; the paper uses none): importance weights
+  # from the sampler's log-probs (behaviour policy) to the recomputed old log-probs.
+  # "token_truncated": per-token weight capped at rollout_is_cap (verl's Token-TIS, cap 2);
+  # "sequence_mask": sequences whose product of weights leaves rollout_is_band leave the loss
+  # (verl's Seq-MIS rejection, seq_sum_k1 "0.5_2.0").
+  c.algorithm.rollout_is = "none"
+  c.algorithm.rollout_is_cap = 2.0
+  c.algorithm.rollout_is_band = (0.5, 2.0)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.train_batch_size = 512  # prompts per step
@@ -226,6 +234,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("algorithm.kl_loss_type", c.algorithm.kl_loss_type, f"choose one of {KL_PENALTY_KINDS}")
   if c.algorithm.kl_loss_coef < 0:
     bad("algorithm.kl_loss_coef", c.algorithm.kl_loss_coef, "must be >= 0")
+  _check_rollout_is(c, bad)
   o = c.optim
   if o.warmup_style not in WARMUP_STYLES:
     bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")
@@ -272,6 +281,26 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   if c.data.num_epochs < 0:
     bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")
   _check_logging(c, bad)
+
+
+def _check_rollout_is(c: ml_collections.ConfigDict, bad) -> None:
+  a = c.algorithm
+  if a.rollout_is not in ROLLOUT_IS_KINDS:
+    bad("algorithm.rollout_is", a.rollout_is, f"choose one of {ROLLOUT_IS_KINDS}")
+  if not a.rollout_is_cap > 0:
+    bad("algorithm.rollout_is_cap", a.rollout_is_cap, "must be > 0 (verl's default 2.0)")
+  try:
+    lo, hi = (float(x) for x in a.rollout_is_band)
+  except (TypeError, ValueError):
+    bad("algorithm.rollout_is_band", a.rollout_is_band, "expected (lo, hi), e.g. (0.5, 2.0)")
+  if not 0 < lo <= 1 <= hi:
+    bad("algorithm.rollout_is_band", a.rollout_is_band,
+        "must satisfy 0 < lo <= 1 <= hi, e.g. (0.5, 2.0)")
+  if a.rollout_is != "none" and c.rollout.use_sampler_logprobs:
+    bad("algorithm.rollout_is", a.rollout_is,
+        "corrects the recomputed old log-probs towards the sampler's, but "
+        "rollout.use_sampler_logprobs=True makes them the sampler's (every weight 1); "
+        "set one of the two off")
 
 
 def _check_logging(c: ml_collections.ConfigDict, bad) -> None:

@@ -352,6 +352,12 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("pass rate of trained groups", ("diag/pass_rate_trained/*",)),
     ("share of generated groups trained, by pass rate", ("diag/accepted/*",)),
     ("decode seconds by length quarter (proxy)", ("time/decode_by_length/*",)),
+    # dapo_jax.logprob_gap: sampler vs training forward on the same tokens (issue 29).
+    ("sampler vs trainer: |delta logp| and k3 KL",
+     ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/kl_k3")),
+    ("sampler vs trainer: bit-equal share, seqs outside [0.5, 2]",
+     ("rollout/bit_equal", "rollout/seq_outside_band")),
+    ("sampler vs trainer: token IS weight", ("rollout/is_weight_*",)),
 )
 
 

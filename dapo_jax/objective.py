@@ -25,6 +25,8 @@ LOSS_AGG_MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM,
                   SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_SUM_NORM)
 # verl's kl_penalty estimators (its "full", on whole distributions, is not offered).
 KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# Rollout corrections (`rollout_correction`): none (DAPO), verl's Token-TIS, a sequence mask.
+ROLLOUT_IS_KINDS = ("none", "token_truncated", "sequence_mask")
 
 # Log-ratios are clamped to +-20 before exp() (as verl does) so one outlier
 # token cannot overflow float32. Nothing is lost: that far out the clipped
@@ -296,6 +298,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 10.0,
     loss_agg_mode: str = TOKEN_MEAN,
     loss_denominator: ArrayLike | None = None,
+    is_weights: ArrayLike | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Clip-Higher PPO loss with dual clip (spec 4).
 
@@ -310,6 +313,9 @@ def compute_policy_loss(
     loss_agg_mode: see `agg_loss`.
     loss_denominator: whole mini-batch normaliser for micro-batching; see
       `agg_loss`.
+    is_weights: [B, R] rollout-correction weights (`rollout_correction`, no
+      gradient) multiplied into the per-token loss after the clips, as verl's
+      `pg_losses * rollout_is_weights`; None: 1.
 
   Returns:
     (scalar loss, metrics) with metrics `pg_clipfrac`, `pg_clipfrac_lower`,
@@ -338,6 +344,8 @@ def compute_policy_loss(
   neg_adv_BxR = adv_BxR < 0
   loss_BxR = jnp.where(neg_adv_BxR, jnp.minimum(clipped_BxR, pg3_BxR),
                        clipped_BxR)
+  if is_weights is not None:
+    loss_BxR = loss_BxR * jax.lax.stop_gradient(jnp.asarray(is_weights, jnp.float32))
 
   loss = agg_loss(loss_BxR, mask_BxR, loss_agg_mode, loss_denominator)
   metrics = {
@@ -352,6 +360,65 @@ def compute_policy_loss(
 # ----------------------------------------------------------------------------
 # Options, all off by default in DAPO.
 # ----------------------------------------------------------------------------
+
+
+def validate_rollout_correction(kind: str, cap: float,
+                                band: tuple[float, float]) -> None:
+  """Raises ValueError naming the bad setting of `rollout_correction`."""
+  if kind not in ROLLOUT_IS_KINDS:
+    raise ValueError(f"Unknown rollout_is {kind!r}; valid kinds are "
+                     f"{', '.join(repr(k) for k in ROLLOUT_IS_KINDS)}.")
+  if not cap > 0:
+    raise ValueError(f"rollout_is_cap={cap} must be > 0 (verl's default 2.0).")
+  lo, hi = band
+  if not 0 < lo <= 1 <= hi:
+    raise ValueError(f"rollout_is_band={tuple(band)} must satisfy 0 < lo <= 1 <= hi "
+                     f"(verl's example (0.5, 2.0)): weight 1 (no gap) must be kept.")
+
+
+def rollout_correction(old_log_prob: ArrayLike, sampler_log_prob: ArrayLike,
+                       response_mask: ArrayLike, kind: str = "none", *,
+                       cap: float = 2.0, band: tuple[float, float] = (0.5, 2.0)
+                       ) -> tuple[Array, Array]:
+  """Importance weights from the sampler (the behaviour policy mu) to the old policy pi_old.
+
+  rho_t = pi_old(y_t) / mu(y_t) = exp(old - sampler), the log-ratio clamped to +-20 as verl
+  (rollout_corr_helper.SAFETY_BOUND). The kinds (verl's names in docs/algorithm.md section 9):
+
+  - "token_truncated": weight min(rho_t, cap) per token, verl's Token-TIS
+    (`rollout_is="token"`, `rollout_is_threshold=cap`, default 2), mask unchanged;
+  - "sequence_mask": weight 1, and sequences whose rho = prod_t rho_t lies outside `band` =
+    [lo, hi] leave the loss mask (and so every denominator), as verl's sequence rejection
+    `rollout_rs="seq_sum_k1"`, `rollout_rs_threshold="lo_hi"`; verl bounds 1 / rho there, the
+    same set for a band symmetric in log space such as (0.5, 2);
+  - "none": weight 1, mask unchanged.
+
+  Args:
+    old_log_prob: [B, R] the trainer's old log-probs (spec 6.2).
+    sampler_log_prob: [B, R] the rollout's log-probs of the same tokens.
+    response_mask: [B, R] loss mask.
+    kind: one of ROLLOUT_IS_KINDS.
+    cap: token weight cap C ("token_truncated").
+    band: (lo, hi) kept range of the sequence weight ("sequence_mask").
+
+  Returns:
+    (weights_BxR without gradient, 0 outside the mask; mask_BxR like `response_mask`).
+  """
+  validate_rollout_correction(kind, cap, band)
+  mask_BxR = jnp.asarray(response_mask)
+  on_BxR = mask_BxR > 0
+  log_rho_BxR = jnp.where(on_BxR, jnp.asarray(old_log_prob, jnp.float32)
+                          - jnp.asarray(sampler_log_prob, jnp.float32), 0.0)
+  log_rho_BxR = jax.lax.stop_gradient(log_rho_BxR)
+  ones_BxR = on_BxR.astype(jnp.float32)
+  if kind == "token_truncated":
+    rho_BxR = jnp.exp(jnp.clip(log_rho_BxR, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return jnp.minimum(rho_BxR, cap) * ones_BxR, mask_BxR
+  if kind == "sequence_mask":
+    log_rho_B = jnp.sum(log_rho_BxR, axis=-1)
+    keep_B = (log_rho_B >= np.log(band[0])) & (log_rho_B <= np.log(band[1]))
+    return ones_BxR * keep_B[:, None], mask_BxR * keep_B[:, None].astype(mask_BxR.dtype)
+  return ones_BxR, mask_BxR
 
 
 def kl_penalty(log_prob: ArrayLike, ref_log_prob: ArrayLike,

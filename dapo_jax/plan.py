@@ -214,7 +214,9 @@ def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
                      response_mask=sds((rows, r), jnp.bool_),
                      old_log_probs=sds((rows, r), jnp.float32),
                      advantages=sds((rows,), jnp.float32),
-                     truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None)
+                     truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None,
+                     sampler_log_probs=(sds((rows, r), jnp.float32)
+                                        if tcfg.rollout_is != "none" else None))
   return TrainStep(graphdef, tcfg, mesh).lower(state, batch), state, batch, tcfg
 
 

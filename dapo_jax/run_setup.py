@@ -145,7 +145,11 @@ def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
       clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
       clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
       kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-      overlong_filter=a.overlong_filter, micro_batch_loss=o.micro_batch_loss, lr=o.lr,
+      # .get: a workdir's config.json from before the rollout correction existed has none.
+      overlong_filter=a.overlong_filter, rollout_is=a.get("rollout_is", "none"),
+      rollout_is_cap=float(a.get("rollout_is_cap", 2.0)),
+      rollout_is_band=tuple(float(x) for x in a.get("rollout_is_band", (0.5, 2.0))),
+      micro_batch_loss=o.micro_batch_loss, lr=o.lr,
       warmup_steps=o.warmup_steps, warmup_style=o.warmup_style, b1=o.b1,
       b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
       forward_micro_batch_size=o.micro_batch_size)

@@ -25,6 +25,7 @@ from dapo_jax import config as config_lib
 from dapo_jax import diagnostics
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
+from dapo_jax import logprob_gap
 from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sft
@@ -280,7 +281,7 @@ def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, a
   updates = []
   for _ in range(config.optim.ppo_epochs):
     for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh,
-                                       ref_logp):
+                                       ref_logp, run.train_config.rollout_is != "none"):
       state, m = run.step_fn(state, batch, step)
       updates.append(m)
   return state, jax.device_get(updates)
@@ -301,10 +302,11 @@ def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: Sampli
   # that policy's log-probs as old log-probs.
   metrics["sampling/carried_tokens_trained"] = float(mask[traj.carried_rows(step)].sum())
   if not config.rollout.use_sampler_logprobs:
-    # Sampler vs training forward on the same tokens: should be ~0 (fp32); a gap means the
-    # update is silently off-policy (verl logs the same as rollout_probs_diff).
-    metrics["rollout/logprob_diff_max"] = float(
-        np.abs(np.where(mask, traj.sampler_logprobs - old_logp, 0.0)).max())
+    # Sampler vs training forward on the same tokens (issue 29): bit-equal share, |delta logp|,
+    # k3 KL and importance weights; a gap means the update is silently off-policy (verl logs
+    # rollout_probs_diff and rollout_corr/*). Carried groups' old log-probs are the sampler's.
+    metrics.update({f"rollout/{k}": v for k, v in logprob_gap.logprob_gap_metrics(
+        traj.sampler_logprobs, old_logp, mask).items()})
   if entropy is not None:
     metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
   metrics["reward/verifier_errors"] = float(traj.verifier_errors)

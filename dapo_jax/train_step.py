@@ -54,6 +54,12 @@ class TrainConfig:
   kl_loss_type: str = "low_var_kl"  # k3
   entropy_coeff: float = 0.0
   overlong_filter: bool = False  # mask truncated responses out of the loss (spec 2)
+  # Rollout correction towards the sampler's log-probs (objective.rollout_correction): "none"
+  # (DAPO), "token_truncated" (weights capped at rollout_is_cap) or "sequence_mask" (sequences
+  # whose weight leaves rollout_is_band leave the loss). Batches then carry sampler_log_probs.
+  rollout_is: str = "none"
+  rollout_is_cap: float = 2.0
+  rollout_is_band: tuple[float, float] = (0.5, 2.0)
   lr: float = 1e-6
   warmup_steps: int = 20  # rollout steps (paper 20, verl script 10)
   warmup_style: str = "paper"  # "verl": lr * s / warmup (0 at step 0), as LambdaLR
@@ -71,6 +77,7 @@ class TrainConfig:
   def __post_init__(self):
     obj.validate_loss_agg_mode(self.loss_agg_mode)
     obj.validate_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
+    obj.validate_rollout_correction(self.rollout_is, self.rollout_is_cap, self.rollout_is_band)
     if self.micro_batch_loss not in MICRO_BATCH_LOSSES:
       raise ValueError(f"micro_batch_loss={self.micro_batch_loss!r}; use one of "
                        f"{MICRO_BATCH_LOSSES}.")
@@ -109,6 +116,7 @@ class TrainBatch:
   positions: jax.Array | None = None  # [B, L]; None: default_positions(attention_mask)
   ref_log_probs: jax.Array | None = None  # [B, R]; needed when use_kl_loss
   truncated: jax.Array | None = None  # [B] bool; needed when overlong_filter
+  sampler_log_probs: jax.Array | None = None  # [B, R]; needed when rollout_is != "none"
 
 
 def lr_at(cfg: TrainConfig, rollout_step: jax.Array | int) -> jax.Array:
@@ -186,6 +194,17 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
     if batch.truncated is None:
       raise ValueError("overlong_filter=True needs TrainBatch.truncated.")
     mask_BxR = obj.apply_overlong_filter(mask_BxR, batch.truncated)
+  is_BxR, is_metrics = None, {}
+  if cfg.rollout_is != "none":
+    if batch.sampler_log_probs is None:
+      raise ValueError(f"rollout_is={cfg.rollout_is!r} needs TrainBatch.sampler_log_probs.")
+    before_BxR = mask_BxR
+    is_BxR, mask_BxR = obj.rollout_correction(
+        batch.old_log_probs, batch.sampler_log_probs, before_BxR, cfg.rollout_is,
+        cap=cfg.rollout_is_cap, band=cfg.rollout_is_band)
+    # Mean weight over the tokens before the correction: a dropped sequence's count 0, so under
+    # "sequence_mask" it is the share of tokens kept.
+    is_metrics = {"rollout_is_weight": obj.masked_mean(is_BxR, before_BxR)}
   on_BxR = mask_BxR > 0
   on_B = jnp.any(on_BxR, axis=-1)
   old_BxR = jnp.where(on_BxR, batch.old_log_probs.astype(jnp.float32), 0.0)
@@ -204,7 +223,9 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
                  old=old_BxR, adv=adv_B)
   if ref_BxR is not None:
     per_row["ref"] = ref_BxR
-  return per_row, r, finite
+  if is_BxR is not None:
+    per_row["is_weights"] = is_BxR
+  return per_row, r, finite, is_metrics
 
 
 def _micro_loss(params, rest, graphdef, cfg: TrainConfig, mb: dict[str, jax.Array],
@@ -223,7 +244,7 @@ def _micro_loss(params, rest, graphdef, cfg: TrainConfig, mb: dict[str, jax.Arra
   pg_loss, pg_metrics = obj.compute_policy_loss(
       mb["old"], logp_BxR, mb["adv"], mask_BxR, clip_ratio_low=cfg.clip_ratio_low,
       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-      loss_agg_mode=cfg.loss_agg_mode, loss_denominator=den)
+      loss_agg_mode=cfg.loss_agg_mode, loss_denominator=den, is_weights=mb.get("is_weights"))
   pg_loss = pg_loss * weight
   loss = pg_loss
   n_tok = jnp.sum(mask_BxR)
@@ -250,7 +271,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, cfg: TrainConfig, params: nnx.State,
     (grads like params: fp32 when accumulated over micro-batches, else in the
     params' dtype; metrics dict of scalars; inputs_finite).
   """
-  per_row, r, finite = _masked_inputs(cfg, batch)
+  per_row, r, finite, is_metrics = _masked_inputs(cfg, batch)
   mask_BxR = per_row["mask"]
   denom = obj.loss_denominator(mask_BxR, cfg.loss_agg_mode, r)
   num_seqs = jnp.sum(jnp.any(mask_BxR > 0, axis=-1).astype(jnp.float32))
@@ -282,6 +303,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, cfg: TrainConfig, params: nnx.State,
   n_tok = sums["num_tokens"]
   metrics = {k: (v if k in ("loss", "pg_loss", "num_tokens") else v / jnp.maximum(n_tok, 1.0))
              for k, v in sums.items()}
+  metrics.update(is_metrics)
   return grads, metrics, finite
 
 

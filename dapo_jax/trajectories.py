@@ -152,10 +152,12 @@ def compute_advantages(traj: Trajectories, norm_adv_by_std: bool = True) -> np.n
 
 
 def mini_batches(traj: Trajectories, adv: np.ndarray, old_logp: np.ndarray,
-                 rows_per_update: int, mesh: Mesh | None, ref_logp: np.ndarray | None = None
-                 ) -> Iterator[TrainBatch]:
+                 rows_per_update: int, mesh: Mesh | None, ref_logp: np.ndarray | None = None,
+                 with_sampler_logp: bool = False) -> Iterator[TrainBatch]:
   """Host rows -> device mini-batches (global arrays on several processes); ``ref_logp``: the
-  KL reference's log-probs (use_kl_loss)."""
+  KL reference's log-probs (use_kl_loss); ``with_sampler_logp``: the batches carry the
+  sampler's log-probs (a rollout correction is on; otherwise the program does not take them).
+  On carried rows (keep_surplus) ``old_logp`` already is the sampler's, so their weight is 1."""
   dev = lambda x: distributed.rows_on_device(x, mesh)
   for s in range(0, traj.num_rows, rows_per_update):
     sl = slice(s, s + rows_per_update)
@@ -163,7 +165,8 @@ def mini_batches(traj: Trajectories, adv: np.ndarray, old_logp: np.ndarray,
         input_ids=dev(traj.input_ids[sl]), attention_mask=dev(traj.attention_mask[sl]),
         response_mask=dev(traj.response_mask[sl]), old_log_probs=dev(old_logp[sl]),
         advantages=dev(adv[sl]), truncated=dev(traj.truncated[sl]),
-        ref_log_probs=None if ref_logp is None else dev(ref_logp[sl]))
+        ref_log_probs=None if ref_logp is None else dev(ref_logp[sl]),
+        sampler_log_probs=dev(traj.sampler_logprobs[sl]) if with_sampler_logp else None)
 
 
 def rollout_metrics(traj: Trajectories, *, max_response_length: int, buffer_len: int
