@@ -10,7 +10,14 @@ INSTALL_REQUIRES = [
     # gs:// workdirs, checkpoints and data through etils.epath without TensorFlow's gfile.
     "gcsfs>=2025.3",
     "ml-collections>=1.1,<2",
-    "google-jetstream==0.2.2",
+    # google-jetstream==0.2.2 is not listed here: its declared requirements pull seqio ->
+    # tensorflow-text -> TensorFlow (~2.1 GB, more than half the install) and pytest/coverage,
+    # none of which the parts dapo_jax imports (engine API, orchestrator, protos) use. pip has no
+    # per-requirement --no-deps, so it goes in with `pip install --no-deps -r
+    # requirements-no-deps.txt` (launch/setup_env.sh, launch/worker_env.sh, README); what those
+    # parts import is listed here. dapo_jax/rollout/jetstream_api.py imports it without seqio.
+    "prometheus-client>=0.20",  # jetstream.core.metrics (the orchestrator)
+    "shortuuid>=1.0",  # jetstream.core.metrics
     "tensorflow-datasets>=4.9.10,<5",
     "sympy>=1.14,<2",
     "math-verify>=0.9,<0.10",
@@ -32,6 +39,7 @@ EXTRAS_REQUIRE = {
     # Reference checks only: the tiny random Qwen2 checkpoints the tests write, PyTorch baselines.
     "test": [
         "pytest>=8",
+        "portpicker>=1.6",  # the gRPC serving tests' ports (JetStream's own tests use it)
         "chex>=0.1.92",
         "torch==2.13.0",
         "transformers>=5.0,<6",

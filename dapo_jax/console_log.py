@@ -47,6 +47,24 @@ TIME_PHASES = ("rollout", "old_logprob", "update")  # `time/<phase>` seconds fro
 # A sample: (prompt, response, reward).
 Sample = tuple[str, str, float]
 
+# Libraries whose INFO lines are per-call chatter, not run events: fsspec logs every gs:// file
+# it opens ("AdaptiveReadaheadCache enabled", ~7 per step on a gs:// workdir), gcsfs and aiohttp
+# every retry, matplotlib its font cache. Their warnings and errors still show.
+QUIET_LOGGERS = ("absl", "jax._src", "orbax", "tensorflow", "fsspec", "gcsfs", "aiohttp",
+                 "google", "urllib3", "matplotlib", "tensorboardX")
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+
+def configure_logging(stderr: bool = False) -> None:
+  """The commands' logging: INFO lines of ours to stdout (``dapo-train``: where a cluster log
+  looks) or stderr (commands whose stdout is their result), third-party chatter
+  (`QUIET_LOGGERS`) from WARNING up only."""
+  # stdout replaces any handler already there (absl's); stderr keeps one (a test's capture).
+  logging.basicConfig(level=logging.INFO, format=LOG_FORMAT,
+                      stream=sys.stderr if stderr else sys.stdout, force=not stderr)
+  for name in QUIET_LOGGERS:
+    logging.getLogger(name).setLevel(logging.WARNING)
+
 
 def _number(scalars: Mapping[str, Any], name: str) -> float | None:
   if name not in scalars:

@@ -129,7 +129,8 @@ def evaluate_policy(config: ml_collections.ConfigDict, policy: policy_lib.Policy
 
 def main(argv: Sequence[str]) -> dict[str, float]:
   fv = _parse(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  from dapo_jax import console_log  # pylint: disable=g-import-not-at-top
+  console_log.configure_logging(stderr=True)  # third-party INFO chatter off
   libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
   distributed.maybe_initialize()
   config = fv.config

@@ -70,7 +70,8 @@ def export(config, workdir: str, out: str, *, step: int | None = None,
 
 def main(argv: Sequence[str]) -> str:
   fv = cli.parse("dapo-export", __doc__, argv, _define, cli.workdir_default)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  from dapo_jax import console_log  # pylint: disable=g-import-not-at-top
+  console_log.configure_logging(stderr=True)  # third-party INFO chatter off
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   out = export(fv.config, cli.expand(fv.workdir), cli.expand(fv.out), step=fv.step,

@@ -200,8 +200,11 @@ class MetricsWriter:
     values = {k: _to_float(k, v) for k, v in scalars.items()}
     if self._tb is not None:
       for k, v in values.items():
-        # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/avg@4" becomes "eval/avg_at_4".
-        self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+        # A NaN or inf (a ratio with nothing to count) is no point on a curve, and tensorboardX
+        # would log a warning for each; metrics.jsonl keeps it as null.
+        if math.isfinite(v):
+          # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/avg@4" becomes "eval/avg_at_4".
+          self._tb.add_scalar(k.replace("@", "_at_"), v, step)
     if self._jsonl is not None:
       if self._pending is not None and self._pending["step"] != step:
         self._emit()

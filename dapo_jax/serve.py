@@ -49,7 +49,8 @@ _MAX_CHARS_PER_TOKEN = 32
 
 
 def _jetstream():
-  """Imports JetStream's server modules (slow: they pull in TensorFlow via seqio)."""
+  """Imports JetStream's server modules (its engine API first, without seqio: jetstream_api)."""
+  from dapo_jax.rollout import jetstream_api  # noqa: F401  pylint: disable=g-import-not-at-top
   root_level = logging.getLogger().level
   # pylint: disable-next=g-import-not-at-top
   from jetstream.core import orchestrator

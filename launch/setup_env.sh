@@ -23,5 +23,7 @@ _spec="$_root"
 [ -n "$_extra" ] && _spec="${_root}[${_extra}]"
 echo "[setup_env] pip install -e '$_spec'"
 python -m pip install -q -e "$_spec"
+# JetStream without the TensorFlow its metadata asks for (setup.py says why).
+python -m pip install -q --no-deps -r "$_root/requirements-no-deps.txt"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
 export TOKENIZERS_PARALLELISM=false

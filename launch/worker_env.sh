@@ -4,8 +4,9 @@
 #   bash launch/worker_env.sh VENV EXTRA SKIP_INSTALL
 # VENV missing: a venv from the newest python3.11+ on the machine (with ensurepip), else from a
 # CPython 3.11 that uv downloads (Cloud TPU images ship Ubuntu 22.04's Python 3.10). Then
-# `pip install .[EXTRA]` (EXTRA "" = no extra). SKIP_INSTALL=1: use VENV as it is (it must
-# already hold the dependencies; the launch tests point it at their own environment).
+# `pip install .[EXTRA]` (EXTRA "" = no extra), then requirements-no-deps.txt with --no-deps.
+# SKIP_INSTALL=1: use VENV as it is (it must already hold the dependencies; the launch tests
+# point it at their own environment).
 set -euo pipefail
 venv="${1:?usage: worker_env.sh VENV EXTRA SKIP_INSTALL}"
 extra="${2-tpu}"
@@ -43,6 +44,8 @@ if [ "$skip" != 1 ]; then
   [ -z "$extra" ] || spec="${root}[$extra]"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q "$spec"
+  # JetStream without the TensorFlow its metadata asks for (setup.py says why).
+  "$venv/bin/python" -m pip install -q --no-deps -r "$root/requirements-no-deps.txt"
 fi
 "$venv/bin/python" -c "import jax, flax, orbax.checkpoint; print('worker_env: python', \
   __import__('sys').version.split()[0], 'jax', jax.__version__)"

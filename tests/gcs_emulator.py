@@ -5,14 +5,19 @@ How each client of the stack is pointed at it (`GcsEmulator.env`):
 
   * ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``: the standard variable; gcsfs (etils epath's
     backend for ``gs://``) and google-cloud-storage send every request there, unauthenticated.
-  * ``EPATH_USE_TF=false``: epath would otherwise use TensorFlow's gfile for ``gs://`` when
-    TensorFlow is installed, and gfile knows no emulator. (`apply_in_process` also clears
-    epath's cached "is TF installed" answer, taken at the first path operation.)
+  * Nothing for etils epath: ``import dapo_jax`` fixes its ``gs://`` backend to gcsfs, the
+    same in tests and in use (tests/test_storage_backend.py).
+  * ``FSSPEC_GCS_TOKEN=anon``: gcsfs sends no credentials. Otherwise it first asks google-auth,
+    which, off a Cloud VM and without a credentials file, logs a warning per file system.
   * ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``: gcsfs's default file system first asks the
     storage-control gRPC API for the bucket's layout, which an emulator does not serve (a
     warning per bucket, then the plain client anyway).
   * ``TENSORSTORE_GCS_HTTP_URL=http://127.0.0.1:PORT``: TensorStore, which writes and reads
     Orbax's array files, takes its GCS endpoint from this variable.
+  * ``GOOGLE_AUTH_TOKEN_FOR_TESTING``: a token TensorStore sends as is (the server ignores it).
+    Without it TensorStore looks for a credentials file, then for a GCE metadata server, and
+    with neither logs "Could not find the credentials file" to stderr. (On a Cloud VM the
+    metadata server answers and nothing is logged.)
 
 The filesystem backend keeps objects in a directory, so `restart` (same port, same directory)
 brings back a server with the same objects: a real outage of a few seconds.
@@ -58,7 +63,8 @@ class GcsEmulator:
   def env(self) -> dict[str, str]:
     """The variables that point every client (gcsfs/epath, TensorStore) at this server."""
     return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "EPATH_USE_TF": "false", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "FSSPEC_GCS_TOKEN": "anon",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
   def start(self, timeout_s: float = 20.0) -> None:
     os.makedirs(self.root, exist_ok=True)
@@ -107,9 +113,9 @@ class GcsEmulator:
   def apply_in_process(self) -> None:
     """Points this process's clients at the server (children inherit the variables)."""
     os.environ.update(self.env)
-    from etils.epath import gpath  # pylint: disable=g-import-not-at-top
-    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
     import fsspec  # pylint: disable=g-import-not-at-top
+    import fsspec.config  # pylint: disable=g-import-not-at-top
+    fsspec.config.set_conf_env(fsspec.config.conf)  # read at fsspec's import: FSSPEC_GCS_TOKEN
     fsspec.get_filesystem_class("gs").clear_instance_cache()  # made with an older endpoint
 
   def object_names(self, bucket: str, prefix: str = "") -> list[str]:

@@ -14,11 +14,11 @@ import grpc  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import portpicker  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
-from jetstream.engine import token_utils  # pylint: disable=g-import-not-at-top
 
 import dapo_jax  # pylint: disable=g-import-not-at-top
 from dapo_jax import serve  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout.jetstream_api import token_utils  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampler import generate  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
 from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top

@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from dapo_jax import sharding as shd
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout import slots as sl
+from dapo_jax.rollout.jetstream_api import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 from dapo_jax.rollout.sampling import SamplingParams, request_keys
 from dapo_jax.rollout.slots import PREFILL_BUCKETS, DecodeState, Prefix
 from dapo_jax.tracing import TraceCounter
