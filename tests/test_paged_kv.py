@@ -266,3 +266,54 @@ def test_ragged_kernel_compiles_for_tpu():
         spec((n, m), jnp.int32), spec((n,), jnp.int32))
     lowered.compile()  # raises if libtpu's Mosaic compiler rejects the kernel
   assert lowered.out_info.shape == (n, h, e)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_paged_decode_step_equals_dense_decode_step(scan):
+  """Two prompts (5 and 3 tokens, pages of 4) shared by 2 samples each: the paged decode
+  step (copy-on-write of the last prompt page, new pages on the way) gives the dense step's
+  logits for the same fed tokens."""
+  from dapo_jax.models import create_model, get_preset  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import slots as sl  # pylint: disable=g-import-not-at-top
+  model = create_model(get_preset("test", num_hidden_layers=2, scan_layers=scan), seed=3)
+  g, p, t, steps = 2, 8, 4, 6
+  lens = np.array([5, 3], np.int32)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(1, 100, size=(2, p)).astype(np.int32)
+  rows = np.repeat(np.arange(2), g)  # slot = prompt * g + sample
+  feed = rng.integers(1, 100, size=(steps, 2 * g)).astype(np.int32)
+
+  @jax.jit
+  def run(prompts, feed):
+    cache, _, _ = sl.prefill_hidden(model, prompts, jnp.asarray(lens))
+    dense = cache.repeat(g).grow(steps)
+    paged = model.init_paged_cache(2 * g, num_pages=12, page_size=t, max_pages_per_slot=4)
+    for i in range(2):  # one prompt's pages, written once, attached to its g slots
+      paged, pages, _ = pkv.alloc(paged, jnp.int32(lens[i]))
+      kv = [pkv.per_layer(lambda x: x[i].transpose(2, 0, 1), cache.k),
+            pkv.per_layer(lambda x: x[i].transpose(1, 0, 2), cache.v)]
+      paged = pkv.write_prompt(paged, pages, *kv, jnp.int32(lens[i]))
+      paged = pkv.attach(paged, jnp.arange(g) + i * g, jnp.tile(pages[None], (g, 1)),
+                         jnp.full((g,), lens[i], jnp.int32))
+      paged = pkv.release(paged, pages[None])
+    def step(carry, xs):  # one compiled body for all steps
+      dense, paged = carry
+      s, tokens = xs
+      pos = jnp.asarray(lens[rows]) + s
+      ld, dense = model.decode_step(tokens, pos, dense)
+      lp, paged, app = model.decode_step_paged(tokens, pos, paged, jnp.ones((2 * g,), bool),
+                                               impl="xla")
+      return (dense, paged), (ld, lp, app.ok)
+
+    (_, paged), out = jax.lax.scan(step, (dense, paged), (jnp.arange(steps), feed))
+    return out, paged
+
+  out, paged = run(jnp.asarray(prompts), jnp.asarray(feed))
+  ld, lp, ok = (np.asarray(x) for x in out)
+  assert ok.all()
+  np.testing.assert_allclose(lp, ld, atol=1e-5, rtol=1e-5)
+  # Prompt 0 (5 tokens -> 11): its first page shared, the second kept by one slot and copied
+  # for the other, a third page each: 5. Prompt 1 (3 tokens -> 9): the first page kept and
+  # copied, two more each: 6.
+  np.testing.assert_array_equal(np.asarray(paged.length), lens[rows] + steps)
+  assert int(paged.free_pages()) == 12 - 5 - 6

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from dapo_jax.models import attention, kv_cache
+from dapo_jax.models import attention, kv_cache, paged_attention, paged_kv
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.models.paged_kv import PagedKVCache
 from dapo_jax.profiling import scoped
 from dapo_jax.sharding import constrain
 
@@ -124,10 +125,7 @@ class Attention(nnx.Module):
     cache ([L, ...]) and this is its layer `layer`. With `attend`, only the first `attend`
     slots are attended to (the later ones must be invalid)."""
     dtype = x_Nx1xD.dtype
-    q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
-    q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
-    kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
-    vn_Nx1xKxE = self.v_proj(x_Nx1xD, dtype)
+    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._one_token_qkv(x_Nx1xD, positions_Nx1)
     k_NxKxExS, v_NxKxSxE = kv_cache.write_step(k_NxKxExS, v_NxKxSxE, kn_Nx1xKxE[:, 0],
                                                vn_Nx1xKxE[:, 0], slot, layer)
     k_l, v_l = (k_NxKxExS, v_NxKxSxE) if layer is None else (k_NxKxExS[layer], v_NxKxSxE[layer])
@@ -135,6 +133,25 @@ class Attention(nnx.Module):
       k_l, v_l, valid_NxS = k_l[..., :attend], v_l[:, :, :attend], valid_NxS[:, :attend]
     o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_l, v_l, valid_NxS)
     return self.o_proj(o_NxHxE[:, None], dtype), (k_NxKxExS, v_NxKxSxE)
+
+  def _one_token_qkv(self, x_Nx1xD, positions_Nx1):
+    dtype = x_Nx1xD.dtype
+    q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
+    q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
+    kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
+    return q_Nx1xHxE, kn_Nx1xKxE, self.v_proj(x_Nx1xD, dtype)
+
+  def decode_paged(self, x_Nx1xD, positions_Nx1, k_pool, v_pool, cache: PagedKVCache,
+                   app: paged_kv.Append, layer=None, impl: str = "auto"):
+    """`decode` over a paged cache: the token goes to `app`'s (page, offset), attention reads
+    each slot's live pages (its length after this token). `layer`: stacked pools."""
+    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._one_token_qkv(x_Nx1xD, positions_Nx1)
+    k_pool, v_pool = paged_kv.write_token(k_pool, v_pool, kn_Nx1xKxE[:, 0], vn_Nx1xKxE[:, 0],
+                                          app, layer)
+    k_l, v_l = (k_pool, v_pool) if layer is None else (k_pool[layer], v_pool[layer])
+    o_NxHxE = paged_attention.paged_decode_attention(
+        q_Nx1xHxE[:, 0], k_l, v_l, cache.table, cache.length + app.ok, impl=impl)
+    return self.o_proj(o_NxHxE[:, None], x_Nx1xD.dtype), (k_pool, v_pool)
 
 
 class MLP(nnx.Module):
@@ -177,9 +194,18 @@ class DecoderLayer(nnx.Module):
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     attn_out, kv = self.self_attn.decode(self.input_layernorm(x_Nx1xD), positions_Nx1,
                                          k_NxKxExS, v_NxKxSxE, valid_NxS, slot, layer, attend)
+    return self._finish(x_Nx1xD, attn_out), kv
+
+  def decode_paged(self, x_Nx1xD, positions_Nx1, k_pool, v_pool, cache, app, layer=None,
+                   impl: str = "auto"):
+    attn_out, kv = self.self_attn.decode_paged(self.input_layernorm(x_Nx1xD), positions_Nx1,
+                                               k_pool, v_pool, cache, app, layer, impl)
+    return self._finish(x_Nx1xD, attn_out), kv
+
+  def _finish(self, x_Nx1xD, attn_out):
     x_Nx1xD = x_Nx1xD + attn_out
     x_Nx1xD = x_Nx1xD + self.mlp(self.post_attention_layernorm(x_Nx1xD))
-    return constrain(x_Nx1xD, ("batch", "length", "act_embed")), kv
+    return constrain(x_Nx1xD, ("batch", "length", "act_embed"))
 
 
 def _layer_apply(layer, x, positions, mask):
@@ -363,6 +389,48 @@ class Qwen2ForCausalLM(nnx.Module):
     logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
     return logits_NxV, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_NxS,
                                index=cache.index + 1)
+
+  @scoped("decode_step")
+  def decode_step_paged(self, tokens_N: jax.Array, positions_N: jax.Array, cache: PagedKVCache,
+                        active_N: jax.Array, *, impl: str = "auto"
+                        ) -> tuple[jax.Array, PagedKVCache, paged_kv.Append]:
+    """`decode_step` over a paged cache (models/paged_kv.py): each active slot's token is
+    written at its next position (a fresh page, or its own copy of a shared prompt page) and
+    attention reads only live pages (`paged_attention`, kernel by `impl`). Returns fp32 logits
+    [N, V], the cache (lengths counted) and the `Append`: a slot with ``out_of_pages`` wrote
+    nothing and its logits are not to be used."""
+    cfg = self.config
+    cache, app = paged_kv.reserve_append(cache, active_N)
+    pos_Nx1 = positions_N[:, None]
+    x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0).astype(cfg.jnp_dtype)
+    x_Nx1xD = constrain(x_Nx1xD, ("batch", "length", "act_embed"))
+    if cfg.scan_layers:
+      def body(layer, carry, l):
+        x_Nx1xD, k, v = carry
+        x_Nx1xD, (k, v) = layer.decode_paged(x_Nx1xD, pos_Nx1, k, v, cache, app, l, impl)
+        return (x_Nx1xD, k, v), None
+      (x_Nx1xD, k, v), _ = self._scan_layers(body, (x_Nx1xD, cache.k, cache.v),
+                                             jnp.arange(cfg.num_hidden_layers))
+    else:
+      k, v = [], []
+      for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+        x_Nx1xD, (k_pool, v_pool) = layer.decode_paged(x_Nx1xD, pos_Nx1, k_pool, v_pool, cache,
+                                                       app, impl=impl)
+        k.append(k_pool)
+        v.append(v_pool)
+      k, v = tuple(k), tuple(v)
+    logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
+    return logits_NxV, paged_kv.commit_append(cache.replace(k=k, v=v), app), app
+
+  def init_paged_cache(self, num_slots: int, num_pages: int, page_size: int,
+                       max_pages_per_slot: int, dtype: Any = None) -> PagedKVCache:
+    """An empty paged cache: every page free, every slot empty."""
+    cfg = self.config
+    return PagedKVCache.zeros(num_layers=cfg.num_hidden_layers, num_slots=num_slots,
+                              num_pages=num_pages, page_size=page_size,
+                              max_pages_per_slot=max_pages_per_slot,
+                              kv_heads=cfg.num_key_value_heads, head_dim=cfg.dim_per_head,
+                              dtype=dtype or cfg.jnp_dtype, stacked=cfg.scan_layers)
 
   def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
                attention_mask_BxT: jax.Array | None = None) -> jax.Array:
