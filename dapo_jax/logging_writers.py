@@ -93,8 +93,21 @@ class WandbWriter:
     """Nothing to do: wandb's service sends rows in the background."""
 
   def close(self) -> None:
+    """Finishes the run and returns once its ``.wandb`` file is complete on disk.
+
+    ``run.finish()`` returns when wandb's service has the exit record, but the service keeps the
+    run's records (run, history, ...) in a buffer that it writes when it closes the run's stream,
+    and it closes it after ``finish()`` has returned (wandb 0.31: ``inform_finish`` is sent
+    without waiting). Read right away (``wandb sync`` of an offline run, a test), the file may
+    hold only its header. ``wandb.teardown()`` waits for the service process to exit, hence for
+    every stream to be written; it is skipped while another run of this process is active (it
+    would end that run too), and that run's own finish or exit then completes the file.
+    """
     if self.run is not None:
+      import wandb  # pylint: disable=g-import-not-at-top
       self.run.finish()
+      if wandb.setup().most_recent_active_run is None:
+        wandb.teardown()
     self.run = None
 
 
