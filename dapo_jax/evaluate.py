@@ -127,6 +127,35 @@ def evaluate_policy(config: ml_collections.ConfigDict, policy: policy_lib.Policy
   return summary, evaluator
 
 
+def provenance(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
+               workdir: str | None) -> dict[str, Any]:
+  """What an evaluation used: the weights (workdir, step and the directory read, or the HF
+  checkpoint), the dataset, the dtypes and the mesh, as the summary and ``--output`` name them."""
+  mesh = policy.mesh
+  return {
+      "workdir": workdir or None,
+      "step": policy.step,
+      "checkpoint": (str(policy_lib.checkpoint_dir(workdir) / str(policy.step)) if workdir
+                     else config.model.checkpoint),
+      "dataset": config.data.eval,
+      "num_samples": config.eval.num_samples,
+      "dtype": config.model.dtype,
+      "param_dtype": config.model.param_dtype,
+      "mesh": None if mesh is None else ",".join(f"{a}={n}" for a, n in mesh.shape.items()),
+      "num_devices": jax.device_count(),
+  }
+
+
+def describe(info: dict[str, Any]) -> str:
+  """`provenance` as the one line ``dapo-eval`` prints above its summary."""
+  weights = (f"step {info['step']} of {info['workdir']} ({info['checkpoint']})"
+             if info["workdir"] else f"HF checkpoint {info['checkpoint']}")
+  mesh = f"mesh {info['mesh']}" if info["mesh"] else "no mesh"
+  return (f"dapo-eval: {weights}; dataset {info['dataset']} ({info['num_samples']} samples per "
+          f"row); dtype {info['dtype']} (params {info['param_dtype']}); {mesh} "
+          f"({info['num_devices']} devices)")
+
+
 def main(argv: Sequence[str]) -> dict[str, float]:
   fv = _parse(argv)
   from dapo_jax import console_log  # pylint: disable=g-import-not-at-top
@@ -139,11 +168,14 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   records = run_setup.load_dataset(config.data.eval, config, "eval")
   summary, evaluator = evaluate_policy(config, policy, records)
   if jax.process_index() == 0:
+    info = provenance(config, policy, cli.expand(fv.workdir))
     print(eval_metrics.format_table(evaluator.last_rows))
-    print(json.dumps(summary, indent=2))
+    print(describe(info))
+    print(json.dumps(summary, indent=2), flush=True)
     if fv.output:
       run_files.write_text_atomic(run_files.resolve(fv.output), json.dumps(
-          {"summary": summary, "problems": evaluator.last_rows}, indent=2, default=str))
+          {"provenance": info, "summary": summary, "problems": evaluator.last_rows}, indent=2,
+          default=str))
   return summary
 
 

@@ -40,8 +40,9 @@ def _define(fv) -> None:
 
 
 def export(config, workdir: str, out: str, *, step: int | None = None,
-           max_shard_bytes: int = 2 << 30) -> str:
-  """Writes ``workdir``'s checkpoint (``step``, default the newest) to ``out`` as HF files."""
+           max_shard_bytes: int = 2 << 30) -> int:
+  """Writes ``workdir``'s checkpoint (``step``, default the newest readable) to ``out`` as HF
+  files; returns the step written."""
   policy = policy_lib.load_policy(config, workdir=workdir, step=step,
                                   mesh=policy_lib.sampling_mesh(config))
   dest = epath.Path(out)
@@ -65,7 +66,7 @@ def export(config, workdir: str, out: str, *, step: int | None = None,
   finally:
     if not local:
       shutil.rmtree(stage, ignore_errors=True)
-  return out
+  return policy.step
 
 
 def main(argv: Sequence[str]) -> str:
@@ -74,10 +75,12 @@ def main(argv: Sequence[str]) -> str:
   console_log.configure_logging(stderr=True)  # third-party INFO chatter off
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
-  out = export(fv.config, cli.expand(fv.workdir), cli.expand(fv.out), step=fv.step,
-               max_shard_bytes=fv.max_shard_gib << 30)
+  workdir, out = cli.expand(fv.workdir), cli.expand(fv.out)
+  step = export(fv.config, workdir, out, step=fv.step, max_shard_bytes=fv.max_shard_gib << 30)
   if jax.process_index() == 0:
-    print(f"dapo-export: wrote {out}", flush=True)
+    print(f"dapo-export: wrote step {step} of {workdir} "
+          f"({policy_lib.checkpoint_dir(workdir) / str(step)}) to {out} "
+          f"({fv.config.model.param_dtype})", flush=True)
   return out
 
 

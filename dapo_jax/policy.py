@@ -30,6 +30,7 @@ class Policy(NamedTuple):
   rest: nnx.State  # the model's other state (empty for Qwen2ForCausalLM)
   tokenizer: Any
   mesh: Mesh | None
+  step: int | None = None  # the Orbax step restored; None for a HF directory
 
   @property
   def model(self):
@@ -65,9 +66,9 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
     graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
     if jax.tree.leaves(rest):
       raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
-    params = orbax_ckpt.load_params_only(
+    restored = orbax_ckpt.restore_params_only(
         checkpoint_dir(workdir), step, abstract_params=_targets(abstract, mesh, rules))
-    return Policy(graphdef, params, rest, tokenizer, mesh)
+    return Policy(graphdef, restored.params, rest, tokenizer, mesh, restored.step)
   if not m.checkpoint:
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
                      "--workdir=<a dapo-train workdir>.")

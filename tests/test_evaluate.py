@@ -63,7 +63,7 @@ def test_evaluator_matches_hand_computed_metrics():
   assert [r["correct"] for r in ev.last_rows] == [4, 1, 0]
 
 
-def test_dapo_eval_cli_on_hf_checkpoint(tmp_path):
+def test_dapo_eval_cli_on_hf_checkpoint(tmp_path, capsys):
   pytest.importorskip("torch")
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
   ckpt = hf_fixtures.write_tiny_qwen2(str(tmp_path / "ckpt"), vocab_size=64)
@@ -80,6 +80,14 @@ def test_dapo_eval_cli_on_hf_checkpoint(tmp_path):
   assert 0.0 <= summary["eval/avg@2"] <= summary["eval/pass@2"] <= 1.0
   table = json.load(open(out))
   assert len(table["problems"]) == 5
+  # Issue 27 (8): the summary and the file name what was evaluated (the 8 CPU devices of
+  # conftest under the default mesh, fp32 weights).
+  assert table["provenance"] == {
+      "workdir": None, "step": None, "checkpoint": ckpt, "dataset": str(data), "num_samples": 2,
+      "dtype": "float32", "param_dtype": "float32", "mesh": "data=1,fsdp=8,tensor=1",
+      "num_devices": 8}
+  assert (f"dapo-eval: HF checkpoint {ckpt}; dataset {data} (2 samples per row); dtype float32 "
+          "(params float32); mesh data=1,fsdp=8,tensor=1 (8 devices)") in capsys.readouterr().out
 
 
 def test_dapo_eval_cli_expands_home_and_names_missing_weights(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """`dapo-export`: a trained run's checkpoint as a HF directory that `transformers` loads with the
-same logits as the JAX model restored from that checkpoint."""
+same logits as the JAX model restored from that checkpoint; `dapo-eval` on the same run."""
 
 import json
 import os
@@ -28,11 +28,21 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch):
+def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("HOME", str(tmp_path))
-  out = export.main([f"--workdir={run_dir}", "--step=1", "--out=~/hf_step1"])
+  umask = os.umask(0o027)  # not the usual 022: the files must follow the user's umask
+  try:
+    out = export.main([f"--workdir={run_dir}", "--step=1", "--out=~/hf_step1"])
+  finally:
+    os.umask(umask)
   assert out == str(tmp_path / "hf_step1")
   assert {"config.json", "model.safetensors", "char_tokenizer.json"} <= set(os.listdir(out))
+  # Issue 27 (8): safetensors wrote model.safetensors 0600 (a tempfile's mode).
+  modes = {f: oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in os.listdir(out)}
+  assert modes == dict.fromkeys(modes, oct(0o640)), modes
+  # It says which step it wrote, from which run.
+  assert (f"dapo-export: wrote step 1 of {run_dir} ({run_dir}/checkpoints/1) to {out} (float32)"
+          in capsys.readouterr().out)
   assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [
       "Qwen2ForCausalLM"]
 
@@ -48,3 +58,20 @@ def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch)
   ours = np.asarray(step1.model(jnp.asarray(ids)))
   theirs = hf_fixtures.hf_logits(out, ids)
   np.testing.assert_allclose(theirs, ours, atol=2e-5, rtol=1e-4)
+
+
+def test_eval_on_the_run_names_step_dataset_dtype_and_mesh(run_dir, tmp_path, capsys):
+  """Issue 27 (8), on this module's run: ``dapo-eval --workdir`` without ``--step`` names the
+  step it found, the checkpoint directory, the dataset, the dtypes and the mesh."""
+  from dapo_jax import evaluate  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "eval.json"
+  evaluate.main([f"--workdir={run_dir}", "--config.model.dtype=bfloat16",
+                 "--config.rollout_mesh=data=2,tensor=4", "--config.eval.max_examples=2",
+                 "--config.eval.num_samples=1", f"--output={out}"])
+  want = {"workdir": run_dir, "step": 2, "checkpoint": f"{run_dir}/checkpoints/2",
+          "dataset": "arithmetic", "num_samples": 1, "dtype": "bfloat16",
+          "param_dtype": "float32", "mesh": "data=2,tensor=4", "num_devices": 8}
+  assert json.load(open(out))["provenance"] == want
+  assert (f"dapo-eval: step 2 of {run_dir} ({run_dir}/checkpoints/2); dataset arithmetic (1 "
+          "samples per row); dtype bfloat16 (params float32); mesh data=2,tensor=4 (8 devices)"
+          ) in capsys.readouterr().out

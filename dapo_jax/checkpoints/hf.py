@@ -270,6 +270,13 @@ def iter_hf_tensors(model: Qwen2ForCausalLM, dtype: str | None = None
       yield hf_name(lp), _to_hf(lp, w)
 
 
+def _new_file_mode() -> int:
+  """The mode ``open()`` gives a new file: 0666 less the process umask."""
+  umask = os.umask(0)  # the only portable way to read it
+  os.umask(umask)
+  return 0o666 & ~umask
+
+
 def save_pretrained(model: Qwen2ForCausalLM, out_dir: epath.PathLike, *,
                     dtype: str | None = None, max_shard_bytes: int = 2 << 30,
                     tokenizer_dir: epath.PathLike | None = None) -> epath.Path:
@@ -299,6 +306,7 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: epath.PathLike, *,
           tmp.write_bytes(save(shards[-1], metadata={"format": "pt"}))
         else:
           save_file(shards[-1], os.fspath(tmp), metadata={"format": "pt"})
+          os.chmod(tmp, _new_file_mode())  # save_file writes through a tempfile: mode 0600
       shards[-1] = {}
       size = 0
 

@@ -524,7 +524,15 @@ class TrainCheckpointer:
 def load_params_only(directory: str | epath.PathLike, step: int | None = None, *,
                      abstract_params: Any, read_retries: int = 4,
                      retry_backoff_s: float = 2.0) -> Any:
-  """Params of ``step`` (default: the newest readable one) for evaluation or serving.
+  """Params of ``step`` (default: the newest readable one) for evaluation or serving."""
+  return restore_params_only(directory, step, abstract_params=abstract_params,
+                             read_retries=read_retries, retry_backoff_s=retry_backoff_s).params
+
+
+def restore_params_only(directory: str | epath.PathLike, step: int | None = None, *,
+                        abstract_params: Any, read_retries: int = 4,
+                        retry_backoff_s: float = 2.0) -> Restored:
+  """`load_params_only` with the step it read (``.step``: the newest may be unreadable).
 
   Read-only: never deletes or moves anything, so it is safe next to a running trainer.
   """
@@ -545,4 +553,4 @@ def load_params_only(directory: str | epath.PathLike, step: int | None = None, *
     mgr.close()
   if restored is None:
     raise CheckpointNotFoundError(f"No checkpoint in {directory}.")
-  return restored.params
+  return restored
