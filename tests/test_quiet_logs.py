@@ -3,9 +3,11 @@
 Run as a user runs it (the console script, in a child process, output to a pipe as in a cluster
 log) against a real GCS server (tests/gcs_emulator.py), with a checkpoint and a metrics flush at
 every step: each step reads and writes the bucket, where third-party libraries used to print.
-Measured before the logging defaults (dapo_jax/console_log.configure_logging) and the TensorBoard
-writer's NaN skip: 527 lines for a 40-step run, 487 of them fsspec's INFO lines,
-tensorboardX's NaN warnings and a TensorStore credentials error.
+Before the logging defaults (dapo_jax/console_log.configure_logging), the TensorBoard writer's
+NaN skip and the emulator's credential variables, a 40-step run of these flags (no per-step
+checkpoint, samples every 10 steps) printed 298 lines: 40 step lines, 24 sample lines, 200
+tensorboardX NaN warnings, 30 fsspec INFO lines, 3 start/end lines and TensorStore's
+"Could not find the credentials file" error; after, 68 (the steps, the samples, 4 others).
 """
 
 import logging
