@@ -113,6 +113,7 @@ class GcsEmulator:
   def apply_in_process(self) -> None:
     """Points this process's clients at the server (children inherit the variables)."""
     os.environ.update(self.env)
+    import dapo_jax  # noqa: F401  (fixes gs:// to gcsfs, as in use)  pylint: disable=unused-import
     import fsspec  # pylint: disable=g-import-not-at-top
     import fsspec.config  # pylint: disable=g-import-not-at-top
     fsspec.config.set_conf_env(fsspec.config.conf)  # read at fsspec's import: FSSPEC_GCS_TOKEN
