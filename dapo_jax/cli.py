@@ -12,10 +12,12 @@ so it imports only light modules and defines no flags at import.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import re
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import ml_collections
 from absl import flags
@@ -57,6 +59,7 @@ class MeshParser(flags.ArgumentParser):
 
 
 config_flags.register_flag_parser_for_type(list, MeshParser())
+_CONFIG_DICT_FILE = os.path.abspath(ml_collections.ConfigDict.__getattr__.__code__.co_filename)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -73,6 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     return c
   path = run_files.resolve(arg) / run_files.CONFIG_FILE
   if not path.exists():
+    if run_files.is_remote(path):
+      from dapo_jax import run_config  # pylint: disable=g-import-not-at-top
+      run_config.check_bucket(path.parent)  # "no such bucket" rather than "not a workdir"
     raise FileNotFoundError(f"{path} not found: is {arg} a dapo-train workdir? Pass --config "
                             "with the config file the run used.")
   return ml_collections.ConfigDict(json.loads(path.read_text()))
@@ -124,7 +130,7 @@ def parse(prog: str, doc: str, argv: Sequence[str],
     raise SystemExit(0)
   if not _has_config(argv):
     raise flags.Error("--config is required, e.g. --config configs/dapo_qwen2_5_32b.py.")
-  rest = fv(argv)
+  rest = _parse_flags(fv, argv)
   if len(rest) > 1:
     raise flags.Error(f"unexpected arguments {rest[1:]}; flags are written --name=value.")
   try:
@@ -132,6 +138,94 @@ def parse(prog: str, doc: str, argv: Sequence[str],
   except OSError as e:  # config_flags defers a get_config failure to first use; raise its cause
     raise (e.__cause__ or e) from None
   return fv
+
+
+def _config_value(argv: Sequence[str]) -> str:
+  """The ``--config`` argument (``path[:arg]``) as written on the command line."""
+  for i, a in enumerate(argv):
+    if a.startswith(("--config=", "-config=")):
+      return a.split("=", 1)[1]
+    if a in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return ""
+
+
+def _raised_in(e: BaseException, filename: str) -> bool:
+  """Whether a frame of ``e``'s traceback (or of an exception it was raised from) ran code of
+  ``filename``."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if getattr(e, "filename", None) and os.path.abspath(e.filename) == filename:  # SyntaxError
+      return True
+    tb = e.__traceback__
+    while tb is not None:
+      if os.path.abspath(tb.tb_frame.f_code.co_filename) == filename:
+        return True
+      tb = tb.tb_next
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def _root(e: BaseException) -> BaseException:
+  """The first exception of the chain: config_flags re-raises a get_config error as a new one
+  whose message is the whole formatted traceback."""
+  seen = set()
+  while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return e
+
+
+def _unknown_key(e: LookupError | AttributeError, argv: Sequence[str]) -> flags.Error:
+  """ml_collections' KeyError for an override of a missing field, as one readable line.
+
+  Its message is ``"'key'\\nDid you mean \"other\" instead of \"key\"?"``, wrapped in an
+  AttributeError, so the str() a user sees is an escaped repr.
+  """
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  first, _, rest = str(e.args[0] if e.args else e).partition("\n")
+  key = first.strip("'\" ")
+  close = re.search(r'Did you mean "([^"]+)"', rest)
+  for a in argv:
+    name = a.split("=", 1)[0].lstrip("-")
+    parts = name.split(".")
+    if parts[0] == "config" and key in parts[1:]:
+      hint = ""
+      if close:
+        fixed = parts[:parts.index(key, 1)] + [close.group(1)]
+        hint = f" Did you mean --{'.'.join(fixed)}?"
+      return flags.Error(f"--{name}: unknown config key {key!r}.{hint} dapo_jax/config.py "
+                         "lists every key.")
+  hint = f" Did you mean {close.group(1)!r}?" if close else ""
+  return flags.Error(f"unknown config key {key!r}.{hint}")
+
+
+def _parse_flags(fv: flags.FlagValues, argv: list[str]) -> list[str]:
+  """``fv(argv)`` with the user mistakes config_flags lets through raised as one-line
+  `flags.Error`s: a missing config file, a config file that fails to load, an override of a
+  key the config lacks. Anything else propagates unchanged."""
+  value = _config_value(argv)
+  path = os.path.abspath(os.path.expanduser(value.split(":", 1)[0]))
+  if value and not os.path.isfile(path):
+    raise flags.Error(f"--config={value}: no such config file {path} (the configs are in "
+                      "configs/, e.g. configs/tiny_cpu.py).")
+  try:
+    return fv(argv)
+  except flags.Error as e:
+    if "Error whilst parsing config file" not in str(e):
+      raise
+    root = _root(e)
+    raise flags.Error(f"--config={value}: the config file failed: {type(root).__name__}: "
+                      f"{root}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    if not _raised_in(e, path):
+      if isinstance(e, (AttributeError, KeyError)) and _raised_in(e, _CONFIG_DICT_FILE):
+        raise _unknown_key(e, argv) from e  # an override of a key the config lacks
+      raise
+    raise flags.Error(f"--config={value}: the config file failed: {type(e).__name__}: "
+                      f"{e}") from e
 
 
 def usage(doc: str, fv: flags.FlagValues) -> str:
@@ -148,10 +242,35 @@ def workdir_default(argv: Sequence[str]) -> str:
   return WORKDIR_CONFIG
 
 
-def exit_on_error(prog: str, main: Callable[[list[str]], object]) -> None:
-  """Console entry point: a bad flag, config value or path prints one line, not a trace."""
+_KEEP_TRACEBACK = "_dapo_keep_traceback"
+
+
+@contextlib.contextmanager
+def tracebacks_except(*user_errors: type[BaseException]) -> Iterator[None]:
+  """Inside, only ``user_errors`` are a user's mistake: `exit_on_error` lets any other error
+  out with its traceback (a ValueError deep in a training step is a bug to report, not a
+  one-line answer)."""
   try:
-    out = main(sys.argv[1:])
+    yield
+  except user_errors:
+    raise
+  except BaseException as e:
+    try:
+      setattr(e, _KEEP_TRACEBACK, True)
+    except AttributeError:  # an exception type without a __dict__ is not caught below anyway
+      pass
+    raise
+
+
+def exit_on_error(prog: str, main: Callable[[list[str]], object],
+                  argv: Sequence[str] | None = None) -> None:
+  """Console entry point: a bad flag, config value or path prints one line and exits with 2
+  (argparse's code for a usage error), not a trace. ``argv`` defaults to ``sys.argv[1:]``."""
+  try:
+    out = main(list(sys.argv[1:] if argv is None else argv))
   except (flags.Error, ValueError, OSError, NotImplementedError) as e:
-    sys.exit(f"{prog}: error: {e}")
+    if getattr(e, _KEEP_TRACEBACK, False):
+      raise
+    print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)
   sys.exit(out if isinstance(out, int) else 0)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from typing import Iterator
 
 import ml_collections
 
+from dapo_jax import batch_rules
 from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
-from dapo_jax.models.config import Qwen2Config
+from dapo_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, Qwen2Config
 from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
@@ -23,6 +23,11 @@ ROLLOUT_ENGINES = ("static", "continuous")
 SAMPLING_LOOPS = ("stream", "batch", "stream_eager")
 VERIFIERS = ("strict", "symbolic")
 TOKENIZER_KINDS = ("auto", "hf", "qwen2.5", "qwen2.5-math", "char")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A config value a run cannot use; the message names the field and a value that works."""
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -198,14 +203,14 @@ def _check_keys(c: ml_collections.ConfigDict) -> None:
   """A misspelt key would otherwise be a silent no-op (the default stays in force)."""
   for path, close in unknown_keys(c, default_config()):
     hint = f" Did you mean {'.'.join(path.split('.')[:-1] + close)!r}?" if close else ""
-    raise ValueError(f"config.{path}: unknown config key.{hint} Config files and --config.x=y "
+    raise ConfigError(f"config.{path}: unknown config key.{hint} Config files and --config.x=y "
                      "may only set the fields of dapo_jax.config.default_config().")
   fields = [f.name for f in dataclasses.fields(Qwen2Config)]
   for key in (c.model.overrides or {}):
     if key not in fields:
       close = difflib.get_close_matches(key, fields, n=1)
       hint = f" Did you mean {close[0]!r}?" if close else ""
-      raise ValueError(f"config.model.overrides.{key}: not a Qwen2Config field.{hint}")
+      raise ConfigError(f"config.model.overrides.{key}: not a Qwen2Config field.{hint}")
 
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -216,10 +221,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   """
 
   def bad(field, value, why):
-    raise ValueError(f"config.{field}={value!r}: {why}")
+    raise ConfigError(f"config.{field}={value!r}: {why}")
 
   _check_keys(c)
 
+  _check_model(c.model, bad)
   if c.rollout.engine not in ROLLOUT_ENGINES:
     bad("rollout.engine", c.rollout.engine, f"choose one of {ROLLOUT_ENGINES}")
   if c.algorithm.sampling_loop not in SAMPLING_LOOPS:
@@ -242,14 +248,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("optim.micro_batch_loss", o.micro_batch_loss, f"choose one of {MICRO_BATCH_LOSSES}")
   if o.train_batch_size <= 0 or o.mini_batch_size <= 0:
     bad("optim.train_batch_size", o.train_batch_size, "batch sizes must be positive")
-  if o.train_batch_size % o.mini_batch_size:
-    bad("optim.mini_batch_size", o.mini_batch_size,
-        f"must divide optim.train_batch_size={o.train_batch_size}")
-  rows = o.mini_batch_size * c.rollout.n
-  if o.micro_batch_size <= 0 or (o.micro_batch_size < rows and rows % o.micro_batch_size):
-    bad("optim.micro_batch_size", o.micro_batch_size,
-        f"must divide the {rows} trajectories of a mini-batch ({o.mini_batch_size} x "
-        f"{c.rollout.n}); a value >= {rows} means one micro-batch")
   if c.rollout.n < 1:
     bad("rollout.n", c.rollout.n, "need at least one response per prompt")
   if not 0 < c.rollout.top_p <= 1:
@@ -272,8 +270,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   for field in ("mesh", "rollout_mesh"):
     _check_mesh(field, c[field], bad)
   _check_dcn(c, bad)
+  train_split = (None if num_devices is None
+                 else batch_rules.batch_shards(c.mesh, num_devices, "mesh", bad))
+  batch_rules.check_mini_batch(c, train_split, bad)
   if num_devices is not None:
-    _check_batch_split(c, num_devices, bad)
+    batch_rules.check_batch_split(c, num_devices, bad)
   if c.optim.lr <= 0 or c.optim.grad_clip <= 0:
     bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
   if c.data.on_malformed not in ("raise", "skip"):
@@ -301,6 +302,22 @@ def _check_rollout_is(c: ml_collections.ConfigDict, bad) -> None:
         "corrects the recomputed old log-probs towards the sampler's, but "
         "rollout.use_sampler_logprobs=True makes them the sampler's (every weight 1); "
         "set one of the two off")
+
+
+def _check_model(m: ml_collections.ConfigDict, bad) -> None:
+  """The model fields `Qwen2Config` checks too, here so dapo-train fails before any work."""
+  from dapo_jax.models.presets import PRESETS  # pylint: disable=g-import-not-at-top
+  for field in ("param_dtype", "dtype"):
+    if m[field] not in DTYPES:
+      bad(f"model.{field}", m[field], f"choose one of {DTYPES}")
+  if m.remat not in REMAT_POLICIES:
+    bad("model.remat", m.remat, f"choose one of {REMAT_POLICIES}")
+  if m.attention_impl not in ATTENTION_IMPLS:
+    bad("model.attention_impl", m.attention_impl, f"choose one of {ATTENTION_IMPLS}")
+  if not m.checkpoint and m.preset.lower() not in PRESETS:
+    close = difflib.get_close_matches(m.preset.lower(), list(PRESETS), n=1)
+    bad("model.preset", m.preset, f"not a preset{f'; did you mean {close[0]!r}' if close else ''}"
+        f" (dapo_jax/models/presets.py lists them), or set model.checkpoint=<HF directory>")
 
 
 def _check_logging(c: ml_collections.ConfigDict, bad) -> None:
@@ -351,50 +368,3 @@ def _check_dcn(c: ml_collections.ConfigDict, bad) -> None:
   if any(n not in mesh_names for n, _ in pairs) or any(k < 1 for _, k in pairs):
     bad("dcn_mesh", c.dcn_mesh, f"axes must be among config.mesh's {mesh_names}, slice counts "
         ">= 1")
-
-
-def _batch_shards(axes, num_devices: int, field: str, bad) -> tuple[dict[str, int], int]:
-  """The batch axes (data, fsdp: both rule tables split the batch over them) of a mesh."""
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
-  try:
-    sizes = shd.resolve_mesh_sizes([(str(n), int(s)) for n, s in axes], num_devices)
-  except ValueError as e:
-    bad(field, axes, f"{e}")
-  split = {str(n): s for (n, _), s in zip(axes, sizes) if n in ("data", "fsdp") and s > 1}
-  return split, math.prod(split.values())
-
-
-def _check_batch_split(c: ml_collections.ConfigDict, num_devices: int, bad) -> None:
-  """Every batch-major array must split over the batch axes: a replicated batch makes every
-  device compute every row. Names the setting and the nearest sizes that split."""
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
-
-  def need(field, value, per, shards, axes, what):
-    """``value`` x ``per`` rows must be a multiple of ``shards``."""
-    if (value * per) % shards:
-      near = " or ".join(map(str, shd.nearest_multiples(value, shards // math.gcd(shards, per))))
-      bad(field, value, f"{what} = {value * per} rows do not split over the batch axes {axes} "
-          f"({shards} shards) on {num_devices} devices; use e.g. {near}, or change the mesh")
-
-  train_axes, train = _batch_shards(c.mesh, num_devices, "mesh", bad)
-  roll_axes, roll = _batch_shards(c.rollout_mesh or c.mesh, num_devices,
-                                  "rollout_mesh" if c.rollout_mesh else "mesh", bad)
-  o, n = c.optim, c.rollout.n
-  need("optim.mini_batch_size", o.mini_batch_size, n, train, train_axes,
-       f"optim.mini_batch_size x rollout.n ({o.mini_batch_size} x {n})")
-  if c.sft.steps > 0:
-    need("sft.batch_size", c.sft.batch_size, 1, train, train_axes,
-         "sft.batch_size")
-  if c.rollout.engine == "continuous":
-    need("rollout.max_concurrent_decodes", c.rollout.max_concurrent_decodes, 1, roll, roll_axes,
-         "rollout.max_concurrent_decodes decode slots")
-  if c.rollout.engine == "static":
-    gen, ppc = c.algorithm.gen_batch_size, c.rollout.prompts_per_call
-    field, prompts = (("rollout.prompts_per_call", ppc) if 0 < ppc < gen
-                      else ("algorithm.gen_batch_size", gen))
-    need(field, prompts, n, roll, roll_axes,
-         f"{field.split('.')[1]} x rollout.n ({prompts} x {n}) rollout")
-  if c.eval.every > 0 and c.data.eval:
-    need("eval.batch_size", c.eval.batch_size, c.eval.num_samples, roll,
-         roll_axes, f"eval.batch_size x eval.num_samples ({c.eval.batch_size} x "
-         f"{c.eval.num_samples})")

@@ -16,43 +16,53 @@ dapo-eval, dapo-serve, dapo-export and dapo-plan take the same --config and over
 
 from __future__ import annotations
 
-import logging
-import sys
+from typing import Sequence
 
-from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from dapo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
-flags.mark_flags_as_required(["config", "workdir"])
+
+def _define(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics), local or gs://.",
+                      flag_values=fv)
+  flags.DEFINE_list("allow_config_change", [], "Keys (or sections) a resumed run may change "
+                    "although they change its state or algorithm, e.g. optim.lr,rollout.n; "
+                    "recorded in <workdir>/config_history/.", flag_values=fv)
 
 
-def main(argv):
-  del argv
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                      stream=sys.stdout, force=True)
-  for noisy in ("absl", "jax._src", "orbax", "tensorflow"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+def _setup_logging() -> None:
+  from dapo_jax import console_log  # pylint: disable=g-import-not-at-top
+  console_log.configure_logging()  # stdout; third-party INFO chatter off
+
+
+def main(argv: Sequence[str]) -> dict[str, float]:
+  """``dapo-train`` without the program name in ``argv``; returns `train_and_evaluate`'s."""
+  fv = cli.parse("dapo-train", __doc__, argv, _define)
+  if not fv.workdir:
+    raise flags.Error("--workdir is required: a local directory or gs://bucket/run (a new one "
+                      "starts a run, an existing one resumes it).")
+  _setup_logging()
   from dapo_jax import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
-  libtpu_flags.apply(_CONFIG.value)  # before anything starts JAX's backends
+  libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
   distributed.maybe_initialize()
-  from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
-  train_and_evaluate(cli.expand_paths(_CONFIG.value), cli.expand(_WORKDIR.value))
+  # pylint: disable=g-import-not-at-top
+  from dapo_jax import config as config_lib
+  from dapo_jax import run_config
+  from dapo_jax.checkpoints import orbax as orbax_ckpt
+  from dapo_jax.data.records import DataFormatError
+  from dapo_jax.train import train_and_evaluate
+  # Past flag parsing only these are the user's to fix (a bad config value, a config change the
+  # run cannot take, a missing bucket, a checkpoint of another model, a malformed data file);
+  # any other error of a run keeps its traceback.
+  with cli.tracebacks_except(config_lib.ConfigError, run_config.ConfigChangeError,
+                             run_config.BucketNotFoundError, orbax_ckpt.CheckpointLayoutError,
+                             DataFormatError):
+    return train_and_evaluate(fv.config, cli.expand(fv.workdir), fv.allow_config_change)
 
 
-def run():
-  # absl's --help prints __main__'s docstring and the key flags of the module named by argv[0]:
-  # for the console script both are empty, so name ours.
-  main_module = sys.modules["__main__"]
-  if not main_module.__doc__:
-    main_module.__doc__ = __doc__
-  for name in ("config", "workdir"):
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
-  app.run(main)
+def run() -> None:
+  cli.exit_on_error("dapo-train", main)
 
 
 if __name__ == "__main__":

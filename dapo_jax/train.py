@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from dapo_jax import diagnostics
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
 from dapo_jax import logprob_gap
+from dapo_jax import run_config
 from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sft
@@ -98,10 +99,18 @@ class _StopRequest:
     return bool(np.any(flags))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       allow_config_change: Sequence[str] = ()) -> dict[str, float]:
+  """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation.
+
+  A resume refuses a config whose changes from the run's ``config.json`` are not safe
+  (`run_config`), unless ``allow_config_change`` names them.
+  """
   config_lib.validate(config, num_devices=jax.device_count())
-  workdir = run_files.prepare_workdir(workdir, config)  # local path or gs:// URL, config.json
+  # Before anything is built or written: a refused relaunch leaves the workdir as it was.
+  launch = run_config.check(workdir, config, allow_config_change)
+  workdir = launch.workdir  # local path or gs:// URL
+  workdir.mkdir(parents=True, exist_ok=True)
   compile_cache.setup(config, workdir)  # before the first compile
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
     compiles = teardown.enter_context(compile_cache.CompileCounter())
@@ -112,6 +121,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                    run.eval_records)
     evaluating = bool(run.eval_records and config.eval.every)
     state, start_step, resumed = _restore(run, state)
+    run_config.record(launch, start_step if resumed else None)  # config.json once restored
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
     writer = teardown.enter_context(
         open_writers(config, workdir, resume_step=start_step if resumed else -1))
@@ -361,7 +371,8 @@ def _sampling_stopped(err: DynamicSamplingError, step: int, config, run: run_set
             f"(algorithm.max_num_gen_batches={config.algorithm.max_num_gen_batches}; kept ratio "
             f"{st.kept_ratio:.3f}, all-correct {st.all_correct_ratio:.3f}, all-wrong "
             f"{st.all_wrong_ratio:.3f}). Raise algorithm.max_num_gen_batches (0 = unlimited) "
-            "or algorithm.gen_batch_size, or check the data and the reward")
+            "or algorithm.gen_batch_size (add --allow_config_change=algorithm.gen_batch_size), "
+            "or check the data and the reward")
   return SamplingStoppedError(
       f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
       f"gathered are saved with a checkpoint of step {step} in {run.checkpointer.directory} and "

@@ -4,7 +4,8 @@ Each test feeds one bad input and asserts that the error names the thing at faul
 elsewhere and not repeated here: malformed rows at the loader level and bad parquet/JSONL files
 (tests/test_data_records.py), a safetensors file with a missing or misshaped tensor and a
 pickle-only checkpoint (tests/test_hf_parity.py), damaged Orbax steps
-(tests/test_orbax_checkpoint.py), the sampler's own errors (tests/test_dynamic_sampling.py).
+(tests/test_orbax_checkpoint.py), the sampler's own errors (tests/test_dynamic_sampling.py), the
+commands' one-line answers to command-line mistakes (tests/test_user_mistakes.py).
 """
 
 import ast
@@ -12,8 +13,6 @@ import dataclasses
 import glob
 import logging
 import os
-import subprocess
-import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -25,7 +24,7 @@ from dapo_jax import train as train_lib
 from dapo_jax.data.records import MalformedRowError
 from dapo_jax.rewards.batch import RewardScorer
 from tests import dapo_rows
-from tests.test_train_e2e import ROOT, TINY, _small_config
+from tests.test_train_e2e import ROOT, _small_config
 
 
 def test_malformed_row_through_the_run_config_names_file_and_row(tmp_path, caplog):
@@ -55,16 +54,6 @@ def test_unknown_config_key_is_named_with_a_suggestion():
   with pytest.raises(ValueError, match=r"model\.overrides\.hiden_size: not a Qwen2Config "
                      r"field\. Did you mean 'hidden_size'"):
     config_lib.validate(c)
-
-
-def test_unknown_config_flag_is_named_on_the_command_line(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, "-m", "dapo_jax.main", f"--config={TINY}", f"--workdir={tmp_path}",
-       "--config.optim.lrr=1e-5"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-      env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
-  assert proc.returncode != 0
-  assert "lrr" in proc.stderr and 'Did you mean "lr"' in proc.stderr, proc.stderr[-2000:]
-  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # failed before any work
 
 
 class _OneMixedGroupPerBatch(RewardScorer):

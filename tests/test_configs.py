@@ -75,7 +75,7 @@ def test_32b_table1_rows_add_one_technique_each():
 @pytest.mark.parametrize("field,value,match", [
     ("rollout.engine", "vllm", "rollout.engine"),
     ("algorithm.loss_agg_mode", "token-sum", "loss_agg_mode"),
-    ("optim.mini_batch_size", 7, "must divide"),
+    ("optim.mini_batch_size", 7, "divide optim.train_batch_size=512"),
     ("reward.overlong_buffer_len", 999999, "overlong_buffer_len"),
     ("rollout.top_p", 0.0, "top_p"),
     ("algorithm.kl_loss_type", "full", "kl_loss_type"),

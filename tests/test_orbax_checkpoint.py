@@ -260,11 +260,16 @@ def test_requested_step_errors(tmp_path):
 def test_every_step_unreadable_raises_and_moves_nothing(tmp_path):
   with ock.TrainCheckpointer(tmp_path) as ck:
     _save_steps(ck, [1, 2])
-    # A target of another shape (another model config): a caller error, not damage.
+    # A target of another shape (another model config): a caller error, not damage, and said
+    # so before any step is tried.
     wrong = {"w": jax.ShapeDtypeStruct((3, 3), jnp.float32),
              "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
-    with pytest.raises(ock.CorruptCheckpointError, match=r"step 2.*step 1.*does not match"):
+    with pytest.raises(ock.CheckpointConfigMismatchError,
+                       match=r"step 2 .*saved with another model config; the files are not "
+                       r"damaged"):
       ck.restore(abstract_params=wrong)
+    with pytest.raises(ock.CheckpointConfigMismatchError, match="not damaged"):
+      ock.load_params_only(tmp_path, abstract_params=wrong)
     assert ck.all_steps() == [1, 2]
 
 

@@ -60,6 +60,11 @@ class CheckpointLayoutError(ValueError):
   """The checkpoint holds the other decoder layout (``config.model.scan_layers``)."""
 
 
+class CheckpointConfigMismatchError(CheckpointLayoutError):
+  """The checkpoint's parameters have other names or shapes than the config builds: it was
+  saved with another model config (not damage)."""
+
+
 class Restored(NamedTuple):
   """What `TrainCheckpointer.restore` returns; ``meta["step"]`` is the restored step."""
   params: Any
@@ -207,15 +212,33 @@ def _read_step(directory: epath.Path, step: int, abstract_params: Any,
     handler.close()
 
 
-def _param_paths(tree: Any) -> set[tuple[str, ...]]:
-  """Each leaf's key path as strings, without the trailing ``value`` of an nnx Variable."""
-  def name(k):
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-  out = set()
-  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    names = tuple(name(k) for k in path)
-    out.add(names[:-1] if names[-1:] == ("value",) else names)
+def _param_shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...] | None]:
+  """Each leaf's key path as strings (without the trailing ``value`` of an nnx Variable) ->
+  its shape."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    shape = getattr(x, "shape", None)
+    out[names[:-1] if names[-1:] == ("value",) else names] = (
+        None if shape is None else tuple(shape))
   return out
+
+
+def _check_shapes(directory: epath.Path, step: int, saved: dict, want: dict) -> None:
+  """Raises `CheckpointConfigMismatchError` when the parameters of ``step`` are not the ones
+  the config builds (a restore would fail on every step as if all were damaged)."""
+  differ = [p for p in sorted(set(saved) | set(want)) if saved.get(p, "absent") != want.get(
+      p, "absent")]
+  if not differ:
+    return
+  p = differ[0]
+  raise CheckpointConfigMismatchError(
+      f"Checkpoint step {step} in {directory} holds other parameters than this config builds "
+      f"({len(differ)} differ, e.g. {'/'.join(p)}: saved {saved.get(p, 'absent')}, config "
+      f"{want.get(p, 'absent')}): it was saved with another model config; the files are not "
+      "damaged. Rerun with the config the run was saved with (the workdir's config.json; "
+      "dapo-eval, dapo-export and dapo-serve read it when --config is omitted), or use a new "
+      "--workdir.")
 
 
 def _stacked_layers(paths: set[tuple[str, ...]]) -> bool | None:
@@ -231,11 +254,13 @@ def check_layer_layout(directory: epath.Path, step: int, abstract_params: Any) -
   to the restore's own checks."""
   try:
     handler = ocp.StandardCheckpointHandler()
-    saved = _param_paths(handler.metadata(epath.Path(directory) / str(step) / "params"))
+    saved_shapes = _param_shapes(handler.metadata(epath.Path(directory) / str(step) / "params"))
   except Exception:  # pylint: disable=broad-except
     return
-  have, want = _stacked_layers(saved), _stacked_layers(_param_paths(abstract_params))
+  want_shapes = _param_shapes(abstract_params)
+  have, want = _stacked_layers(set(saved_shapes)), _stacked_layers(set(want_shapes))
   if have is None or want is None or have == want:
+    _check_shapes(directory, step, saved_shapes, want_shapes)
     return
   flag = "true" if have else "false"
   raise CheckpointLayoutError(
