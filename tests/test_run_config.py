@@ -21,6 +21,7 @@ from dapo_jax import run_config
 from dapo_jax import run_files
 from tests.gcs_emulator import GcsEmulator
 from tests.test_user_mistakes import TINY, assert_one_line
+from tests.test_user_mistakes import quiet_train_logging  # noqa: F401  (autouse)
 from tests.tiny_run_flags import TINY_RUN_FLAGS
 
 RUN_FLAGS = [*TINY_RUN_FLAGS, "--config.checkpoint.save_every=1",
@@ -44,17 +45,12 @@ def _snapshot(workdir) -> dict[str, tuple[int, bytes]]:
   return out
 
 
-@pytest.fixture(autouse=True)
-def _test_logging(monkeypatch):
-  # dapo-train points the root logger at sys.stdout, which is pytest's capture here.
-  monkeypatch.setattr(train_main, "_setup_logging", lambda: None)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """A 1-step run; the workdir of a first launch."""
   workdir = str(tmp_path_factory.mktemp("contract") / "run")
-  with pytest.raises(SystemExit) as e:
+  with pytest.MonkeyPatch.context() as m, pytest.raises(SystemExit) as e:
+    m.setattr(train_main, "_setup_logging", lambda: None)  # (module scope: before the autouse)
     cli.exit_on_error("dapo-train", train_main.main, [
         f"--config={TINY}", f"--workdir={workdir}", *RUN_FLAGS, "--config.num_steps=1"])
   assert e.value.code == 0

@@ -83,6 +83,12 @@ MISTAKES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def quiet_train_logging(monkeypatch):
+  """dapo-train points the root logger at sys.stdout, which is pytest's capture here."""
+  monkeypatch.setattr(train_main, "_setup_logging", lambda: None)
+
+
 def _argv(prog, added, w):
   replaced = {a.split("=", 1)[0] for a in added if a.startswith(("--config=", "--workdir="))}
   argv = [a for a in BASE[prog] if a.split("=", 1)[0] not in replaced]
