@@ -149,6 +149,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.save_every = 10
   c.checkpoint.max_to_keep = 3
   c.checkpoint.async_save = True
+  # Storage outages (dapo_jax/run_files.py): a failed save is retried at the next one; this many
+  # failed in a row stop the run (one line naming the storage error).
+  c.checkpoint.max_consecutive_failed_saves = 3
+  # How long a launch waits for the workdir's storage (gs://) to answer before it fails.
+  c.checkpoint.storage_wait_s = 300.0
   # JAX's persistent compilation cache (a relaunch loads its programs instead of compiling):
   # "auto" = $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache; "off"; or a
   # directory (local or gs://). dapo-eval and dapo-serve use it too (dapo_jax/compile_cache.py).
@@ -281,6 +286,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
   if c.data.num_epochs < 0:
     bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")
+  if c.checkpoint.max_consecutive_failed_saves < 1:
+    bad("checkpoint.max_consecutive_failed_saves", c.checkpoint.max_consecutive_failed_saves,
+        "must be >= 1 (1: the first failed save stops the run)")
+  if c.checkpoint.storage_wait_s < 0:
+    bad("checkpoint.storage_wait_s", c.checkpoint.storage_wait_s, "must be >= 0 seconds")
   _check_logging(c, bad)
 
 

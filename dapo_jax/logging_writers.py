@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import ml_collections
 
+from dapo_jax import run_files
 from dapo_jax.metrics import MetricsWriter
 
 _log = logging.getLogger(__name__)
@@ -142,8 +143,13 @@ class MultiWriter:
   def __enter__(self) -> MultiWriter:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    try:
+      self.close()
+    except run_files.StorageUnavailableError as e:
+      if exc_type is None:
+        raise
+      _log.error("%s", e)  # the error already on its way out stays the one reported
 
 
 def open_writers(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,

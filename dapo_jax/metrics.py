@@ -84,13 +84,15 @@ def _rewrite_jsonl(path: epath.Path, max_step: int | None) -> list[str]:
 class _LineFile:
   """An append-only text file. Local: a file opened for appending. Remote (``gs://``): objects
   cannot be appended to, so the lines are kept and the whole object is uploaded at each flush
-  (each upload replaces it atomically)."""
+  (each upload replaces it atomically). An upload that fails keeps every line for the next
+  flush; `unwritten` counts them."""
 
   def __init__(self, path: epath.Path, lines: list[str]):
     self.path = path
     self._lines: list[str] | None = None
     self._file = None
     self._dirty = False
+    self.unwritten = 0
     if run_files.is_remote(path):
       self._lines = list(lines)
     else:
@@ -102,6 +104,7 @@ class _LineFile:
     else:
       self._lines.append(text)
       self._dirty = True
+      self.unwritten += 1
 
   def flush(self) -> None:
     if self._file is not None:
@@ -109,6 +112,7 @@ class _LineFile:
     elif self._dirty:
       self.path.write_text("".join(self._lines), encoding="utf-8")
       self._dirty = False
+      self.unwritten = 0
 
   def close(self) -> None:
     self.flush()
@@ -117,21 +121,33 @@ class _LineFile:
 
 
 class _EpathRecordFile:
-  """A TensorBoard event file written through epath: buffered, uploaded whole at each flush."""
+  """A TensorBoard event file written through epath: buffered, uploaded whole at each flush.
+
+  A failed upload does not raise: tensorboardX's writer thread flushes too, and an exception
+  would end that thread, after which the training thread blocks on its full event queue. The
+  error is kept in `error` (the writer reports it) and the buffer goes up at the next flush;
+  once `give_up` is set, flushes do nothing (the writer has reported what is lost).
+  """
 
   def __init__(self, path: str):
     self._path = epath.Path(path)
     self._buf = io.BytesIO()
     self._dirty = False
+    self.error: Exception | None = None
+    self.give_up = False
 
   def write(self, data: bytes) -> None:
     self._buf.write(data)
     self._dirty = True
 
   def flush(self) -> None:
-    if self._dirty:
-      self._path.write_bytes(self._buf.getvalue())
-      self._dirty = False
+    if self._dirty and not self.give_up:
+      try:
+        self._path.write_bytes(self._buf.getvalue())
+      except Exception as e:  # pylint: disable=broad-except
+        self.error = e
+        return
+      self._dirty, self.error = False, None
 
   def close(self) -> None:
     self.flush()
@@ -141,8 +157,12 @@ class _EpathRecordWriterFactory:
   """tensorboardX's hook for URL schemes (its own ``gs://`` writer needs GCS credentials and a
   project and reaches neither an emulator nor the rest of our stack's GCS client)."""
 
+  def __init__(self):
+    self.files: list[_EpathRecordFile] = []
+
   def open(self, path: str) -> _EpathRecordFile:
-    return _EpathRecordFile(path)
+    self.files.append(_EpathRecordFile(path))
+    return self.files[-1]
 
   def directory_check(self, path: str) -> None:
     epath.Path(path).mkdir(parents=True, exist_ok=True)
@@ -168,8 +188,11 @@ class MetricsWriter:
     self.active = active
     self._pending: dict[str, Any] | None = None
     self._jsonl = self._texts = self._tb = None
+    self._tb_files: list[_EpathRecordFile] = []
+    self._failed_flushes = 0  # in a row
     if not active:
       return
+    run_files.quiet_storage_tracebacks()
     self.workdir.mkdir(parents=True, exist_ok=True)
     if jsonl:
       self._jsonl, self._texts = (
@@ -179,15 +202,16 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
       tb_dir = os.fspath(self.workdir / TB_SUBDIR)
+      factory = _EpathRecordWriterFactory()
       if run_files.is_remote(tb_dir):
-        record_writer.register_writer_factory(tb_dir.split("://")[0],
-                                              _EpathRecordWriterFactory())
+        record_writer.register_writer_factory(tb_dir.split("://")[0], factory)
       # purge_step makes TensorBoard hide the old run's events from that step on.
       purge = None if resume_step is None else resume_step + 1
       # tensorboardX names event files by the second and opens them with "wb": a unique suffix
       # keeps a restart within the same second from overwriting the previous run's events.
       self._tb = SummaryWriter(tb_dir, purge_step=purge,
                                filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+      self._tb_files = list(factory.files)  # (the event file is opened right away)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Numbers (Python, numpy or 0-d jax arrays); several calls for one step make one row.
@@ -223,30 +247,89 @@ class MetricsWriter:
       if self._texts is not None:
         self._texts.write(json.dumps({"step": int(step), "tag": tag, "text": str(text)}) + "\n")
 
-  def flush(self) -> None:
-    """Writes the pending row and flushes every sink (call at each log step).
+  def flush(self) -> bool:
+    """Writes the pending row and flushes every sink (call at each log step); returns whether
+    everything is written.
 
-    A later write for the same step starts a second row; `read_jsonl` merges them.
+    A later write for the same step starts a second row; `read_jsonl` merges them. A storage
+    outage (`run_files.is_transient`) is one warning: the rows stay in memory and the next
+    flush writes them (every line once, in order).
     """
     if not self.active:
-      return
+      return True
     self._emit()
-    for f in (self._jsonl, self._texts, self._tb):
+    try:
+      self._flush_sinks()
+    except Exception as e:  # pylint: disable=broad-except
+      if not run_files.is_transient(e):
+        raise
+      self._failed_flushes += 1
+      _log.warning("Metrics not written to %s (%s): %s kept in memory for the next flush "
+                   "(failed flushes in a row: %d).", self.workdir, run_files.describe(e),
+                   self._unwritten(), self._failed_flushes)
+      return False
+    if self._failed_flushes:
+      _log.info("Metrics written to %s again after %d failed flushes.", self.workdir,
+                self._failed_flushes)
+      self._failed_flushes = 0
+    return True
+
+  def _flush_sinks(self) -> None:
+    """One attempt; stops at the first failure (in an outage each upload waits out gcsfs's own
+    retries, ~30 s, before it fails)."""
+    for f in (self._jsonl, self._texts):
       if f is not None:
         f.flush()
+    if self._tb is not None:
+      self._tb.flush()
+      for f in self._tb_files:
+        if f.error is not None:
+          raise f.error
 
-  def close(self) -> None:
-    self.flush()
+  def _unwritten(self) -> str:
+    rows = self._jsonl.unwritten if self._jsonl is not None else 0
+    texts = self._texts.unwritten if self._texts is not None else 0
+    return f"{rows} metric rows, {texts} sample texts and the TensorBoard events"
+
+  def close(self, retry_s: float | None = None) -> None:
+    """Writes everything left; in an outage retries for ``retry_s`` (default
+    `run_files.FINAL_RETRY_S`), then raises `run_files.StorageUnavailableError` naming what
+    was not written."""
+    if any(f is not None for f in (self._jsonl, self._texts, self._tb)):
+      retry_s = run_files.FINAL_RETRY_S if retry_s is None else retry_s
+      try:
+        run_files.retry_transient(lambda: (self._emit(), self._flush_sinks()),
+                                  what=f"Metrics of {self.workdir}", timeout_s=retry_s)
+      except run_files.StorageUnavailableError as e:
+        lost = self._unwritten()
+        self._abandon()
+        raise run_files.StorageUnavailableError(f"{e} Not written: {lost}.") from None
     for f in (self._jsonl, self._texts, self._tb):
       if f is not None:
+        f.close()
+    self._jsonl = self._texts = self._tb = None
+
+  def _abandon(self) -> None:
+    """Closes the sinks without writing again (each upload would wait out gcsfs's retries)."""
+    for f in self._tb_files:
+      f.give_up = True
+    if self._tb is not None:
+      self._tb.close()
+    for f in (self._jsonl, self._texts):
+      if f is not None and f._file is not None:  # pylint: disable=protected-access
         f.close()
     self._jsonl = self._texts = self._tb = None
 
   def __enter__(self) -> MetricsWriter:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    try:
+      self.close()
+    except run_files.StorageUnavailableError as e:
+      if exc_type is None:
+        raise
+      _log.error("%s", e)  # the error already on its way out stays the one reported
 
   def _emit(self) -> None:
     if self._pending is not None and self._jsonl is not None:

@@ -9,19 +9,161 @@ atomically: a remote file is rewritten whole, a local one goes through a temp fi
 With several processes only process 0 writes shared remote files (GCS allows about one update
 per second of one object); on local paths every process writes its own copy, since each host
 may have its own disk.
+
+Storage outages: `is_transient` tells an outage (connection refused or reset, timeouts, HTTP 5xx,
+a TensorStore UNAVAILABLE) from a definite answer (a missing file or bucket, a 403); callers
+retry only the former (`retry_transient`) and end with one `StorageUnavailableError` line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any
+import sys
+import time
+from typing import Any, Callable, TypeVar
 
 from etils import epath
 
 CONFIG_FILE = "config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
 CURVES_FILE = "curves.png"
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+# Seconds between two attempts of `retry_transient`, and how long the files still unwritten at the
+# end of a launch (metrics) are retried. Module constants so that tests can shrink them.
+RETRY_WAIT_S = 10.0
+FINAL_RETRY_S = 30.0
+
+
+class StorageUnavailableError(OSError):
+  """Storage kept failing with transient errors (an outage) past the retries; the message names
+  the path, the last error and what was kept or lost."""
+
+
+# Answers that retrying cannot change: the object or bucket is not there, or access is refused.
+_DEFINITE = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+             PermissionError, StorageUnavailableError)
+# TensorStore raises ValueError("<STATUS>: ...") with the absl status of the failed operation;
+# these are the statuses of an unreachable or overloaded server (after its own retries).
+_TRANSIENT_STATUSES = ("UNAVAILABLE:", "DEADLINE_EXCEEDED:", "RESOURCE_EXHAUSTED:", "ABORTED:",
+                       "INTERNAL:", "UNKNOWN:", "CANCELLED:")
+# Connection-level errors of the HTTP clients under gcsfs and google-cloud-storage.
+_CLIENT_MODULES = ("aiohttp", "requests", "urllib3", "http.client")
+
+
+def _verdict(e: BaseException) -> bool | None:
+  """True: an outage; False: a definite answer; None: says nothing (look at its cause)."""
+  if isinstance(e, _DEFINITE):
+    return False
+  code = getattr(e, "code", None)
+  if type(e).__name__ == "HttpError" and isinstance(code, int):  # gcsfs, after its retries
+    return code >= 500 or code in (408, 429)
+  if isinstance(e, (ConnectionError, TimeoutError)):
+    return True
+  if type(e).__module__.startswith(_CLIENT_MODULES) and not isinstance(e, (ValueError,
+                                                                          TypeError)):
+    return True
+  if str(e).lstrip().startswith(_TRANSIENT_STATUSES):
+    return True
+  return None
+
+
+def _chain(e: BaseException | None):
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def is_transient(e: BaseException | None) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is an outage worth retrying: a refused,
+  reset or timed-out connection, an HTTP 408/429/5xx, a TensorStore UNAVAILABLE-like status.
+  A missing file or bucket (404), a 403 and every other error are not."""
+  for x in _chain(e):
+    verdict = _verdict(x)
+    if verdict is not None:
+      return verdict
+  return False
+
+
+def describe(e: BaseException) -> str:
+  """``Type: message`` of the error in ``e``'s chain that made it transient, on one line."""
+  inner = next((x for x in _chain(e) if _verdict(x)), e)
+  msg = " ".join(str(inner).split())
+  return f"{type(inner).__name__}: {msg[:200] + '...' if len(msg) > 200 else msg}"
+
+
+def retry_transient(fn: Callable[[], _T], *, what: str, timeout_s: float,
+                    wait_s: float | None = None) -> _T:
+  """``fn()``, retried while it fails with a transient storage error (one warning) for up to
+  ``timeout_s``; then `StorageUnavailableError` naming ``what``. Other errors (a missing
+  bucket, a 403, a bug) are raised at once. One attempt may itself last longer than
+  ``wait_s``: gcsfs retries a request for about 30 s before it raises."""
+  quiet_storage_tracebacks()  # our warning below says it; gcsfs would add a traceback per try
+  deadline = time.monotonic() + timeout_s
+  wait_s = RETRY_WAIT_S if wait_s is None else wait_s
+  warned = False
+  while True:
+    try:
+      return fn()
+    except Exception as e:  # pylint: disable=broad-except
+      if not is_transient(e):
+        raise
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise StorageUnavailableError(
+            f"{what}: storage unreachable for {timeout_s:.0f} s ({describe(e)}). Check the "
+            "network, the bucket's endpoint and credentials, then relaunch.") from None
+      if not warned:
+        _log.warning("%s: storage unreachable (%s); retrying for up to %.0f s.", what,
+                     describe(e), timeout_s)
+        warned = True
+      time.sleep(min(wait_s, left))
+
+
+class _DropHandledStorageTracebacks(logging.Filter):
+  """Drops third-party records whose exception is a transient storage error: the code that
+  catches that error retries it and logs one line of its own (gcsfs logs every request out of
+  retries, Orbax every failed background thread, each with a traceback)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is None or not is_transient(exc)
+
+
+_DROP_HANDLED = _DropHandledStorageTracebacks()
+
+
+def _is_closed_loop_callback(exc_type, exc, tb) -> bool:
+  """TensorStore reports (through `sys.unraisablehook`) an error raised in a future's
+  done-callback. After a failed save Orbax has closed the asyncio loop that awaited its array
+  writes; each write still retrying then fails to post its result to that loop: a 5-line
+  traceback each, about nothing left to handle."""
+  return (exc_type is RuntimeError and str(exc) == "Event loop is closed" and tb is not None
+          and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
+def quiet_storage_tracebacks() -> None:
+  """Installs the filter on the loggers of gcsfs and Orbax (absl), and the unraisable-hook
+  wrapper for TensorStore's callbacks, once; idempotent."""
+  for name in ("gcsfs", "absl"):
+    logger = logging.getLogger(name)
+    if _DROP_HANDLED not in logger.filters:
+      logger.addFilter(_DROP_HANDLED)
+  previous = sys.unraisablehook
+  if getattr(previous, "_dapo_quiet", False):
+    return
+
+  def hook(unraisable):
+    if not _is_closed_loop_callback(unraisable.exc_type, unraisable.exc_value,
+                                    unraisable.exc_traceback):
+      previous(unraisable)
+  hook._dapo_quiet = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
 
 
 def resolve(path: epath.PathLike) -> epath.Path:
@@ -82,12 +224,16 @@ def write_final_files(workdir: epath.PathLike, result: dict[str, Any]) -> list[d
   from dapo_jax import metrics  # pylint: disable=g-import-not-at-top  (metrics imports us)
   import jax  # pylint: disable=g-import-not-at-top
   workdir = resolve(workdir)
-  rows = []
-  if jax.process_index() == 0:
-    metrics.plot_curves(workdir / metrics.METRICS_FILE, workdir / CURVES_FILE)
-    rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
-  write_final_metrics(workdir, result)
-  return rows
+
+  def write() -> list[dict[str, Any]]:
+    rows = []
+    if jax.process_index() == 0:
+      metrics.plot_curves(workdir / metrics.METRICS_FILE, workdir / CURVES_FILE)
+      rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
+    write_final_metrics(workdir, result)
+    return rows
+  # The checkpoint and the metrics are written by now: a brief outage here must not fail the run.
+  return retry_transient(write, what=f"Final files of {workdir}", timeout_s=FINAL_RETRY_S)
 
 
 def read_json(path: epath.PathLike) -> Any:

@@ -299,7 +299,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
                             process_count=jax.process_count())
   ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
                            max_to_keep=config.checkpoint.max_to_keep,
-                           async_save=config.checkpoint.async_save)
+                           async_save=config.checkpoint.async_save,
+                           max_consecutive_failed_saves=(
+                               config.checkpoint.max_consecutive_failed_saves))
   r, a = config.reward, config.algorithm
   scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
                         overlong_buffer_len=r.overlong_buffer_len,

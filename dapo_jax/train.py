@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from typing import Any, Sequence
 
 import jax
@@ -108,7 +109,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   config_lib.validate(config, num_devices=jax.device_count())
   # Before anything is built or written: a refused relaunch leaves the workdir as it was.
-  launch = run_config.check(workdir, config, allow_config_change)
+  # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
+  launch = run_files.retry_transient(
+      lambda: run_config.check(workdir, config, allow_config_change),
+      what=f"--workdir {workdir}", timeout_s=config.checkpoint.storage_wait_s)
   workdir = launch.workdir  # local path or gs:// URL
   workdir.mkdir(parents=True, exist_ok=True)
   compile_cache.setup(config, workdir)  # before the first compile
@@ -160,13 +164,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
             f"The last good checkpoint (step {run.checkpointer.latest_step()}) is kept.")
       preempted = stop.requested(step + 1)
+      # A save failed on a storage outage is retried at the next one; only
+      # checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line).
       if (preempted or (step + 1) % config.checkpoint.save_every == 0
           or step + 1 == config.num_steps):
         _save(run, step + 1, state)
-      if preempted:
-        _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with the "
-                     "same --workdir to resume.", step + 1, run.checkpointer.directory)
+      if preempted:  # one try: a preempted VM has seconds left
+        if run.checkpointer.wait_until_finished():
+          _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with "
+                       "the same --workdir to resume.", step + 1, run.checkpointer.directory)
+        else:
+          _log.warning("Stopped at step %d on request; its checkpoint could not be written "
+                       "(storage), the newest is step %s. Relaunch with the same --workdir to "
+                       "resume from it.", step + 1, run.checkpointer.latest_step())
         return {**result, "stopped_at_step": float(step + 1)}
+    _last_save_landed(run, config.num_steps, state)
     if evaluating and not any(k.startswith("eval/") for k in result):
       final = evaluator(run.to_rollout(state.params), step=config.num_steps)
       writer.write_scalars(config.num_steps, final)
@@ -377,6 +389,14 @@ def _sampling_stopped(err: DynamicSamplingError, step: int, config, run: run_set
       f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
       f"gathered are saved with a checkpoint of step {step} in {run.checkpointer.directory} and "
       "are used first when the run is relaunched on the same --workdir.")
+
+
+def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
+  """Waits for the run's last checkpoint; one lost to a storage outage is saved again until it
+  lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
+  while not run.checkpointer.wait_until_finished():
+    time.sleep(run_files.RETRY_WAIT_S)
+    _save(run, step, state)
 
 
 def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False) -> None:

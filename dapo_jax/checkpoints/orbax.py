@@ -24,6 +24,12 @@ What this adds to ``ocp.CheckpointManager`` so a week-long run does not lose wor
     agreed by all processes (a host that sees other checkpoints, e.g. a workdir on local disk of
     a multi-host job, raises instead of mixing shards).
   * Saving at or below an existing step raises, where Orbax would silently skip the save.
+  * A save that fails on a storage outage (`run_files.is_transient`, raised by the save or, for
+    an async save, found at the next save or wait) is one warning naming the unsaved steps; the
+    next save retries. ``max_consecutive_failed_saves`` failures in a row raise
+    `run_files.StorageUnavailableError`. TensorStore's retries are bounded
+    (`bound_tensorstore_retries`) and directories are created before `save` returns, so a failed
+    save leaves no Orbax thread waiting for minutes.
 """
 
 from __future__ import annotations
@@ -425,6 +431,24 @@ def _short(e: Exception, limit: int = 300) -> str:
 # ----------------------------------------------------------------------------
 
 
+def bound_tensorstore_retries(max_retries: int = 6, initial_delay_s: float = 1.0,
+                              max_delay_s: float = 16.0) -> None:
+  """Caps TensorStore's retries of a GCS request (its default, 32 retries up to 32 s apart, is
+  about 15 minutes) at ~47 s, about gcsfs's own 6 tries: in an outage an array write then fails
+  about when the rest of the save does, instead of holding Orbax's commit threads (and the
+  process's exit) for minutes. Orbax takes its TensorStore context from these module dicts."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+  retries = {"gcs_request_retries": {"max_retries": int(max_retries),
+                                     "initial_delay": f"{initial_delay_s}s",
+                                     "max_delay": f"{max_delay_s}s"}}
+  for context in (tensorstore_utils._BASE_TS_CONTEXT,  # pylint: disable=protected-access
+                  tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):  # pylint: disable=protected-access
+    context.update(retries)
+
+
+bound_tensorstore_retries()
+
+
 class TrainCheckpointer:
   """Saves and restores the train state under ``directory/<step>/``; one writer per directory.
 
@@ -435,19 +459,33 @@ class TrainCheckpointer:
       background (so the caller may donate or overwrite the device buffers right after).
     read_retries / retry_backoff_s: a restore that hits I/O errors retries this many times,
       waiting ``retry_backoff_s * 2**attempt`` before each retry, then raises.
+    max_consecutive_failed_saves: saves failing on a storage outage in a row before `save`
+      raises `run_files.StorageUnavailableError` (earlier ones are warnings; the next save
+      retries).
   """
 
   def __init__(self, directory: str | epath.PathLike, *, max_to_keep: int | None = 3,
-               async_save: bool = True, read_retries: int = 4, retry_backoff_s: float = 2.0):
+               async_save: bool = True, read_retries: int = 4, retry_backoff_s: float = 2.0,
+               max_consecutive_failed_saves: int = 3):
     self.directory = run_files.resolve(directory)  # absolute, or a gs:// URL
     self._retries, self._backoff_s = read_retries, retry_backoff_s
+    self._max_failed = max(int(max_consecutive_failed_saves), 1)
+    self._failed: list[int] = []  # steps of the saves failed in a row, oldest first
+    self._pending: int | None = None  # the async save not yet waited for
+    self._stale = False  # Orbax's step list may be wrong after a failed save: reload it
+    self._async = async_save
+    run_files.quiet_storage_tracebacks()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
         # Leftovers of killed writes are never listed; this deletes them (in the background,
         # done before the first save) so they do not pile up over a long run.
         cleanup_tmp_directories=True,
-        create=True)
+        create=True,
+        # Directories made in `save` itself: made in the background, a failure leaves Orbax's
+        # item threads waiting for a "directory created" signal for 5 minutes (and the process
+        # unable to exit); made here, it is one error of this save.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any] | None = None,
@@ -463,7 +501,14 @@ class TrainCheckpointer:
     if meta.setdefault("step", step) != step:
       raise ValueError(f"meta['step']={meta['step']} differs from step={step}.")
     # Orbax would wait for the previous async save at the start of its save anyway.
-    self._mgr.wait_until_finished()
+    self.wait_until_finished()
+    try:
+      self._prepare(step)
+    except Exception as e:  # pylint: disable=broad-except
+      if not run_files.is_transient(e):
+        raise
+      self._failure(step, e)
+      return
     clash = [s for s in self._mgr.all_steps() if s >= step]
     if clash and not force:
       raise ValueError(
@@ -479,8 +524,52 @@ class TrainCheckpointer:
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta), integrity=ocp.args.JsonSave(integrity))
-    # force=True: the interval policy is the caller's; clashes were handled above.
-    self._mgr.save(step, args=args, force=True)
+    try:
+      # force=True: the interval policy is the caller's; clashes were handled above.
+      self._mgr.save(step, args=args, force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      if not run_files.is_transient(e):
+        raise
+      self._failure(step, e)
+      return
+    self._pending = step
+    if not self._async:
+      self.wait_until_finished()  # a synchronous save is done: record its success now
+
+  def _prepare(self, step: int) -> None:
+    """After a failed save: the step list read again, and the remains of a failed attempt at
+    ``step`` itself removed (on GCS Orbax writes a step in place, and refuses an existing one)."""
+    if self._stale:
+      self._mgr.reload()
+      self._stale = False
+    if step in self._failed and step not in self._mgr.all_steps() and jax.process_index() == 0:
+      partial = self.directory / str(step)
+      if partial.exists():
+        partial.rmtree()
+    if jax.process_count() > 1 and step in self._failed:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("dapo_jax_checkpoint_retry")
+
+  def _failure(self, step: int, err: BaseException) -> None:
+    """One failed save: a warning, or past the limit `StorageUnavailableError`."""
+    self._stale = True
+    if step not in self._failed:
+      self._failed.append(step)
+    newest = self.latest_step()
+    unsaved = step - (newest or 0)
+    what = run_files.describe(err)
+    if len(self._failed) >= self._max_failed:
+      raise run_files.StorageUnavailableError(
+          f"Checkpoints could not be written to {self.directory}: {len(self._failed)} saves in "
+          f"a row failed (steps {', '.join(map(str, self._failed))}; last error {what}). "
+          f"Training stopped at step {step}; the newest checkpoint is "
+          f"{'step %d' % newest if newest is not None else 'none'} ({unsaved} steps unsaved). "
+          "Relaunch with the same --workdir once the storage is reachable "
+          "(checkpoint.max_consecutive_failed_saves sets the limit).") from None
+    _log.warning("Checkpoint of step %d not saved (%s): %d steps unsaved since %s; retrying at "
+                 "the next save (failed saves in a row: %d; training stops at %d).", step, what,
+                 unsaved, f"step {newest}" if newest is not None else "the start",
+                 len(self._failed), self._max_failed)
 
   def restore(self, step: int | None = None, *, abstract_params: Any,
               abstract_opt_state: Any = None) -> Restored | None:
@@ -510,14 +599,40 @@ class TrainCheckpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
-  def wait_until_finished(self) -> None:
-    """Blocks until the pending async save is on disk; a failed write raises here (or at the
-    next `save` / `close`)."""
-    self._mgr.wait_until_finished()
+  @property
+  def unsaved_failures(self) -> int:
+    """Saves failed in a row so far (0 once one lands)."""
+    return len(self._failed)
+
+  def wait_until_finished(self) -> bool:
+    """Blocks until the pending async save is on disk; returns whether it (and so the newest
+    requested save) landed. A storage failure is a warning (`save`); past the limit raises
+    `run_files.StorageUnavailableError`; any other failure raises."""
+    step, self._pending = self._pending, None
+    err = None
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if step is None or not run_files.is_transient(e):
+        raise
+      err = e
+    # Every process counts the same failures (and so gives up at the same save).
+    if step is not None and int(_allgather_ints([int(err is not None)]).max()) and err is None:
+      err = OSError(f"the save of step {step} failed on another process")
+    if err is not None:
+      self._failure(step, err)
+      return False
+    if step is not None:
+      self._failed.clear()
+    return not self._failed
 
   def close(self) -> None:
-    """Waits for the pending save and releases Orbax's threads."""
-    self._mgr.wait_until_finished()
+    """Waits for the pending save and releases Orbax's threads; a failed last save is a
+    warning here (the caller that needs it on disk waits with `wait_until_finished`)."""
+    try:
+      self.wait_until_finished()
+    except run_files.StorageUnavailableError as e:
+      _log.warning("%s", e)
     self._mgr.close()
 
   def __enter__(self) -> TrainCheckpointer:
