@@ -20,6 +20,7 @@ from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KIND
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
+STOP_TOKENS = ("checkpoint_and_chat", "checkpoint")
 SAMPLING_LOOPS = ("stream", "batch", "stream_eager")
 VERIFIERS = ("strict", "symbolic")
 TOKENIZER_KINDS = ("auto", "hf", "qwen2.5", "qwen2.5-math", "char")
@@ -75,6 +76,11 @@ def default_config() -> ml_collections.ConfigDict:
   # and process count) or "static" (rollout/sampler.py: one while_loop per batch of rows).
   c.rollout.engine = "continuous"
   c.rollout.max_concurrent_decodes = 256  # continuous engine slots (split over the batch axes)
+  # Tokens that end a response: "checkpoint_and_chat" the checkpoint's EOS ids plus the chat-end
+  # markers <|im_end|> and <|endoftext|> when the vocabulary has them (a base model under a chat
+  # template ends with either); "checkpoint" the checkpoint's own (eos_token and
+  # generation_config's eos_token_id), as vLLM and so verl stop.
+  c.rollout.stop_tokens = "checkpoint_and_chat"
   c.rollout.use_sampler_logprobs = False  # spec 6.2: recompute old log-probs by default
   # Prompts per compiled rollout call (static engine); 0 = the whole generation batch at once.
   # The KV cache grows with it: `dapo-plan` reports what fits.
@@ -253,6 +259,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("optim.micro_batch_loss", o.micro_batch_loss, f"choose one of {MICRO_BATCH_LOSSES}")
   if o.train_batch_size <= 0 or o.mini_batch_size <= 0:
     bad("optim.train_batch_size", o.train_batch_size, "batch sizes must be positive")
+  if c.rollout.get("stop_tokens", STOP_TOKENS[0]) not in STOP_TOKENS:
+    bad("rollout.stop_tokens", c.rollout.stop_tokens, f"choose one of {STOP_TOKENS}")
   if c.rollout.n < 1:
     bad("rollout.n", c.rollout.n, "need at least one response per prompt")
   if not 0 < c.rollout.top_p <= 1:

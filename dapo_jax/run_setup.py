@@ -161,8 +161,15 @@ def sampling_params(config: ml_collections.ConfigDict, tokenizer, *, eval_mode: 
   return SamplingParams(
       temperature=e.temperature if eval_mode else r.temperature,
       top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
-      max_new_tokens=r.max_response_length, eos_ids=tuple(tokenizer.eos_ids),
+      max_new_tokens=r.max_response_length, eos_ids=stop_ids(config, tokenizer),
       pad_id=tokenizer.pad_id)
+
+
+def stop_ids(config: ml_collections.ConfigDict, tokenizer) -> tuple[int, ...]:
+  """The ids that end a response under ``rollout.stop_tokens`` (.get: an older config.json)."""
+  if config.rollout.get("stop_tokens", "checkpoint_and_chat") == "checkpoint":
+    return tuple(tokenizer.checkpoint_eos_ids)
+  return tuple(tokenizer.eos_ids)
 
 
 def attention_fallback(config: ml_collections.ConfigDict, mcfg: Qwen2Config,

@@ -9,6 +9,8 @@ import unicodedata
 import jinja2
 import pytest
 
+from dapo_jax import config as config_lib
+from dapo_jax import run_setup
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers import qwen_vocab
 from dapo_jax.tokenizers import tokenizer as tok_lib
@@ -274,6 +276,16 @@ def test_hf_eos_pad_resolution(hf_tok, tmp_path):
   tok = tok_lib.HFTokenizer(tmp_path)
   assert (tok.eos_id, tok.eos_ids, tok.pad_id) == (
       151643, (151643, 151645), 151643)
+  # rollout.stop_tokens: the checkpoint's own ids (verl / vLLM) vs those plus the chat markers.
+  assert tok.checkpoint_eos_ids == (151643,)
+  cfg = config_lib.default_config()
+  assert run_setup.stop_ids(cfg, tok) == (151643, 151645)
+  cfg.rollout.stop_tokens = "checkpoint"
+  assert run_setup.stop_ids(cfg, tok) == (151643,)
+  assert run_setup.sampling_params(cfg, tok).eos_ids == (151643,)
+  cfg.rollout.stop_tokens = "eos"
+  with pytest.raises(ValueError, match="rollout.stop_tokens='eos': choose one of"):
+    config_lib.validate(cfg)
   with pytest.raises(ValueError, match="no chat template.*tokenizer_config"):
     tok.apply_chat_template([{"role": "user", "content": "q"}])
   config_file.write_text(json.dumps({"eos_token": "<|nope|>"}))

@@ -118,6 +118,7 @@ class HFTokenizer(Tokenizer):
           "tokenizer_config.json or eos_token_id in generation_config.json")
     self.eos_id = eos if eos is not None else generation_eos[0]
     stops = [self.eos_id, *generation_eos]
+    self._checkpoint_eos_ids = tuple(dict.fromkeys(stops))
     stops += [i for t in _STOP_TOKENS if (i := self._tok.token_to_id(t))
               is not None]
     self.eos_ids = tuple(dict.fromkeys(stops))
@@ -125,6 +126,10 @@ class HFTokenizer(Tokenizer):
     if pad is None:
       pad = generation.get("pad_token_id")
     self.pad_id = int(pad) if pad is not None else self.eos_id
+
+  @property
+  def checkpoint_eos_ids(self) -> tuple[int, ...]:
+    return self._checkpoint_eos_ids
 
   def _named_id(self, name: str) -> int | None:
     token = self._special_tokens_map.get(name)

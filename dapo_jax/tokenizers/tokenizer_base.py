@@ -15,7 +15,10 @@ class Tokenizer(abc.ABC):
 
   Attributes:
     eos_id: the checkpoint's end-of-sequence id.
-    eos_ids: every id that ends a generation (eos_id first).
+    eos_ids: every id that ends a generation (eos_id first): the checkpoint's own and the
+      chat-end markers the vocabulary has.
+    checkpoint_eos_ids: the checkpoint's own stop ids only (eos_id and generation_config's
+      eos_token_id), what vLLM and so verl stop on.
     pad_id: id used to pad batches.
     chat_template: jinja source, or {name: source} when a checkpoint ships
       several (HF picks "tool_use" when tools are given, else "default").
@@ -24,6 +27,11 @@ class Tokenizer(abc.ABC):
   eos_id: int
   eos_ids: tuple[int, ...]
   pad_id: int
+
+  @property
+  def checkpoint_eos_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
   chat_template: str | dict[str, str] | None = None
   # bos_token/eos_token/... strings, visible to chat templates as in HF.
   _special_tokens_map: dict[str, str] = {}
