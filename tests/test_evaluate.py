@@ -119,6 +119,11 @@ def _constant_rollout(tokenizer, text):
   return rollout
 
 
+def dapo_rows_answer(i: int) -> str:
+  from tests import dapo_rows  # pylint: disable=g-import-not-at-top
+  return dapo_rows.PROBLEMS[i][1]
+
+
 def _eval_rows(source, tmp_path):
   from dapo_jax.data.loaders import load_records  # pylint: disable=g-import-not-at-top
   from tests import dapo_rows  # pylint: disable=g-import-not-at-top
@@ -126,6 +131,10 @@ def _eval_rows(source, tmp_path):
     path = dapo_rows.find_shared_aime()
     if path is None:
       pytest.skip("shared/data/aime-2024.parquet not present beside the checkout")
+  elif source == "three_copies":  # as the AIME file (30 x 32), without needing it: 5 x 3
+    path = dapo_rows.write_parquet(
+        [dapo_rows.dapo_row(*p) for _ in range(3) for p in dapo_rows.PROBLEMS],
+        tmp_path / "three_copies.parquet")
   elif source == "duplicated":  # 5 problems with 1 to 3 copies each, out of order
     path = dapo_rows.write_duplicated(tmp_path / "dup.parquet")
   else:
@@ -136,7 +145,8 @@ def _eval_rows(source, tmp_path):
 
 @pytest.mark.parametrize("source,num_samples,expected_k", [
     ("aime", 1, 32),  # the 32B config: 30 problems x 32 copies, one sample per row
-    ("aime", 2, 64), ("duplicated", 1, 1), ("duplicated", 3, 3), ("unique", 4, 4)])
+    ("aime", 2, 64), ("three_copies", 1, 3), ("three_copies", 2, 6), ("duplicated", 1, 1),
+    ("duplicated", 3, 3), ("unique", 4, 4)])
 def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_path, caplog):
   """Issue 17 D1: the headline (progress bar, "Held-out" line) names the summary's avg@K for
   every number of copies in the file x eval.num_samples."""
@@ -150,16 +160,17 @@ def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_p
   c.eval.num_samples = num_samples
   c.rollout.max_response_length = 16
   tok = load_tokenizer(None, fallback="qwen2.5")
+  answer = "204" if source == "aime" else dapo_rows_answer(2)  # one problem right
   with RewardScorer("strict", max_response_length=16, overlong_buffer_enable=False) as scorer:
-    ev = evaluate.Evaluator(c, _constant_rollout(tok, "Answer: 204"), tok, scorer, records)
+    ev = evaluate.Evaluator(c, _constant_rollout(tok, f"Answer: {answer}"), tok, scorer, records)
     out = ev(params_state=None)
   assert ev.headline == f"eval/avg@{expected_k}"
   assert ev.headline in out
-  if source == "aime":
-    problems = {evaluate.problem_id(r): r.ground_truth for r in records}
-    assert out["eval/num_problems"] == len(problems) == 30
-    right = sum(gt == "204" for gt in problems.values())
-    assert right > 0 and out[ev.headline] == pytest.approx(right / 30)
+  # The headline's value is the share of problems answered right (every sample answers alike).
+  problems = {evaluate.problem_id(r): r.ground_truth for r in records}
+  assert out["eval/num_problems"] == len(problems) == (30 if source == "aime" else 5)
+  right = sum(gt == answer for gt in problems.values())
+  assert right > 0 and out[ev.headline] == pytest.approx(right / len(problems))
   line = console_log.format_line(5, 10, out, ev.headline)
   assert f"{ev.headline} {out[ev.headline]:.3f}" in line
   with caplog.at_level(logging.INFO, logger=train.__name__):
