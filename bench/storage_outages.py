@@ -56,8 +56,13 @@ def run_one(name: str, tmp: str) -> dict:
     t0 = time.time()
     r = outage_run.run(gcs, bucket, tmp, num_steps=NUM_STEPS, scale=1.0, timeout_s=1800,
                        outages=[outage_run.Outage(after, seconds)])
-    committed = outage_run.committed_steps(gcs, bucket)
-    logged = outage_run.logged_steps(gcs, bucket)
+    try:
+      committed = outage_run.committed_steps(gcs, bucket)
+      logged = outage_run.logged_steps(gcs, bucket)
+    except OSError as e:  # (seen once: the bucket listed as missing after the restart)
+      print(f"reading the bucket after the run failed: {e}; buckets: "
+            f"{os.listdir(os.path.join(tmp, f'gcs_{name}'))}", flush=True)
+      committed, logged = [], []
   finally:
     gcs.stop()
   trained = max([int(s) for _, t in r.lines for s in _STEP.findall(t)] or [0])

@@ -56,6 +56,11 @@ _CLIENT_MODULES = ("aiohttp", "requests", "urllib3", "http.client")
 
 def _verdict(e: BaseException) -> bool | None:
   """True: an outage; False: a definite answer; None: says nothing (look at its cause)."""
+  if isinstance(e, FileNotFoundError) and "upload_id=" in str(e):
+    # gcsfs's 404 on a resumable upload *session* (the object's URL carries the session's id):
+    # the server lost it (a restarted or failed-over frontend, an expired session), not the
+    # bucket. The write as a whole is redone by the next save or flush.
+    return True
   if isinstance(e, _DEFINITE):
     return False
   code = getattr(e, "code", None)

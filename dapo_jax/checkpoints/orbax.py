@@ -509,6 +509,9 @@ class TrainCheckpointer:
         raise
       self._failure(step, e)
       return
+    if step in self._failed and step in self._mgr.all_steps():
+      self._failed.clear()  # the "failed" save had committed; only its clean-up failed
+      return
     clash = [s for s in self._mgr.all_steps() if s >= step]
     if clash and not force:
       raise ValueError(
