@@ -49,15 +49,16 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   # pylint: disable=g-import-not-at-top
   from dapo_jax import config as config_lib
   from dapo_jax import run_config
+  from dapo_jax import run_files
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   from dapo_jax.data.records import DataFormatError
   from dapo_jax.train import train_and_evaluate
   # Past flag parsing only these are the user's to fix (a bad config value, a config change the
-  # run cannot take, a missing bucket, a checkpoint of another model, a malformed data file);
-  # any other error of a run keeps its traceback.
+  # run cannot take, a missing bucket, a checkpoint of another model, a malformed data file) or
+  # a storage outage past its retries (its own one line); any other error keeps its traceback.
   with cli.tracebacks_except(config_lib.ConfigError, run_config.ConfigChangeError,
                              run_config.BucketNotFoundError, orbax_ckpt.CheckpointLayoutError,
-                             DataFormatError):
+                             DataFormatError, run_files.StorageUnavailableError):
     return train_and_evaluate(fv.config, cli.expand(fv.workdir), fv.allow_config_change)
 
 
