@@ -145,9 +145,10 @@ def _tiny(**over):
 
 
 @pytest.mark.parametrize("over, field, near", [
+    # No value both divides the generation batch and splits over 8 shards: say so, not 8 or 16.
     ({"algorithm.gen_batch_size": 36, "rollout.prompts_per_call": 12, "rollout.n": 1,
       "optim.mini_batch_size": 8, "rollout.engine": "static"}, "rollout.prompts_per_call=12",
-     "8 or 16"),
+     None),
     ({"algorithm.gen_batch_size": 10, "rollout.n": 2, "rollout.engine": "static"},
      "algorithm.gen_batch_size=10", "8 or 12"),
     # The continuous engine splits its slots, not the calls' rows.
@@ -158,19 +159,30 @@ def _tiny(**over):
     ({"sft.steps": 1, "sft.batch_size": 20}, "sft.batch_size=20", "16 or 24"),
 ])
 def test_validate_names_the_batch_setting_and_nearest_values(over, field, near):
+  """The message names every rule the value must meet, and its suggestions meet them all."""
   c = _tiny(**over)
   config_lib.validate(c)  # without a device count only the shapes are checked
-  with pytest.raises(ValueError, match=rf"config.{field}: .*\{{'fsdp': 8\}} \(8 shards\) on 8 "
-                                       rf"devices; use e.g. {near}"):
+  tail = f"use e.g. {near}$" if near else "no divisor of .* does: change it, or set "
+  rules = r"8 batch shards \(batch axes \{'fsdp': 8\} on 8 devices\)"
+  message = rf"config.{field}: must \(1\) .*{rules}.*; .* fails .*{tail}"
+  with pytest.raises(ValueError, match=message):
     config_lib.validate(c, num_devices=8)
   config_lib.validate(c, num_devices=1)  # one device: nothing to split
+  if near:  # following the suggestion passes every rule
+    name, _ = field.split("=")
+    section, key = name.split(".")
+    for value in near.split(" or "):
+      c[section][key] = int(value)
+      config_lib.validate(c, num_devices=8)
 
 
 def test_paper_config_checks_its_batches_per_slice_size():
   c = load_config("dapo_qwen2_5_32b.py")
   config_lib.validate(c, num_devices=64)  # v5p-128: data 2 x fsdp 4
   with pytest.raises(ValueError,
-                     match=r"config.optim.mini_batch_size=32: .*48 shards.*e.g. 30 or 33"):
+                     match=r"config.optim.mini_batch_size=32: must \(1\) divide "
+                     r"optim.train_batch_size=512, \(2\) .*48 batch shards.*no divisor of "
+                     r"optim.train_batch_size=512 does"):
     config_lib.validate(c, num_devices=96 * 4)  # data 12 x fsdp 4 = 48 shards: 512 rows
   with pytest.raises(ValueError, match=r"config.mesh=.*does not divide the 20 available"):
     config_lib.validate(c, num_devices=20)
