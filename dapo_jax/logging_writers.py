@@ -144,12 +144,7 @@ class MultiWriter:
     return self
 
   def __exit__(self, exc_type, *exc) -> None:
-    try:
-      self.close()
-    except run_files.StorageUnavailableError as e:
-      if exc_type is None:
-        raise
-      _log.error("%s", e)  # the error already on its way out stays the one reported
+    run_files.close_on_exit(self.close, raising=exc_type is not None)
 
 
 def open_writers(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,

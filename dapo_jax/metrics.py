@@ -324,12 +324,7 @@ class MetricsWriter:
     return self
 
   def __exit__(self, exc_type, *exc) -> None:
-    try:
-      self.close()
-    except run_files.StorageUnavailableError as e:
-      if exc_type is None:
-        raise
-      _log.error("%s", e)  # the error already on its way out stays the one reported
+    run_files.close_on_exit(self.close, raising=exc_type is not None)
 
   def _emit(self) -> None:
     if self._pending is not None and self._jsonl is not None:

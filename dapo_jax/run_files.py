@@ -247,3 +247,14 @@ def read_json(path: epath.PathLike) -> Any:
   if not path.exists():
     raise FileNotFoundError(f"{path} not found.")
   return json.loads(path.read_text(encoding="utf-8"))
+
+
+def close_on_exit(close, *, raising: bool) -> None:
+  """A writer's ``__exit__``: ``close()``; if it fails on storage while another error is already
+  on its way out, that error stays the one reported and this one is logged."""
+  try:
+    close()
+  except StorageUnavailableError as e:
+    if not raising:
+      raise
+    logging.getLogger(__name__).error("%s", e)

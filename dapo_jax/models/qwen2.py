@@ -368,8 +368,7 @@ class Qwen2ForCausalLM(nnx.Module):
     slot = cache.index[0] if same_slot else cache.index
     valid_NxS = kv_cache.mark_valid(cache.valid, slot)
     pos_Nx1 = positions_N[:, None]
-    x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0).astype(cfg.jnp_dtype)
-    x_Nx1xD = constrain(x_Nx1xD, ("batch", "length", "act_embed"))
+    x_Nx1xD = self._embed_step(tokens_N)
     if cfg.scan_layers:
       def body(layer, carry, l):
         x_Nx1xD, k, v = carry
@@ -390,6 +389,11 @@ class Qwen2ForCausalLM(nnx.Module):
     return logits_NxV, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_NxS,
                                index=cache.index + 1)
 
+  def _embed_step(self, tokens_N: jax.Array) -> jax.Array:
+    """One decode step's input: each slot's token embedded, [N, 1, D] in the compute dtype."""
+    x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0)
+    return constrain(x_Nx1xD.astype(self.config.jnp_dtype), ("batch", "length", "act_embed"))
+
   @scoped("decode_step")
   def decode_step_paged(self, tokens_N: jax.Array, positions_N: jax.Array, cache: PagedKVCache,
                         active_N: jax.Array, *, impl: str = "auto"
@@ -402,8 +406,7 @@ class Qwen2ForCausalLM(nnx.Module):
     cfg = self.config
     cache, app = paged_kv.reserve_append(cache, active_N)
     pos_Nx1 = positions_N[:, None]
-    x_Nx1xD = jnp.take(self.embed_tokens.value, tokens_N[:, None], axis=0).astype(cfg.jnp_dtype)
-    x_Nx1xD = constrain(x_Nx1xD, ("batch", "length", "act_embed"))
+    x_Nx1xD = self._embed_step(tokens_N)
     if cfg.scan_layers:
       def body(layer, carry, l):
         x_Nx1xD, k, v = carry
