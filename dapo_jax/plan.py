@@ -45,6 +45,7 @@ from dapo_jax import cli
 from dapo_jax import config as config_lib
 from dapo_jax import libtpu_flags
 from dapo_jax import plan_estimates as est
+from dapo_jax import plan_paged
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import attention
@@ -537,6 +538,10 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
         config, mcfg, target.num_devices, splash=plan["attention"] == "splash",
         logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
     plan["estimate"] = est.step_estimate(config, plan, target.chip)
+  if target.chip is not None and target.hbm_bytes is not None:  # closed form: any such target
+    resident = plan["train"]["state_bytes"] + plan["rollout"]["parts"]["params"]
+    plan["paged_estimate"] = plan_paged.estimate(config, mcfg, target.chip, target.num_devices,
+                                                 target.hbm_bytes, resident)
   return plan
 
 
@@ -598,6 +603,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  compile time: train step {t['compile_seconds']:.0f} s, rollout "
                  f"{r['compile_seconds']:.0f} s{extra}")
   lines += format_estimate(plan)
+  if "paged_estimate" in plan:
+    cont = plan.get("estimate", {}).get("phases", {}).get("rollout_continuous", {})
+    lines += plan_paged.format_lines(plan["paged_estimate"], cont.get("seconds"))
   lines += [f"  warning: {w}" for w in plan["warnings"]]
   return "\n".join(lines)
 

@@ -1,0 +1,118 @@
+"""``dapo-plan``'s paged-vs-dense rollout estimate (dapo_jax/plan_paged.py): the closed form
+against hand arithmetic, and its length mix against the long-tail bench's sampler."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from dapo_jax import plan as plan_lib
+from dapo_jax import plan_estimates as plan_est
+from dapo_jax import plan_paged
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def _config(name, *extra):
+  return plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, name), "--target", "cpu:8", *extra]))
+
+
+def test_mix_is_the_long_tail_benchs():
+  """The pmf's moments are those of bench/continuous_vs_static.py's draws (mean R/4, 5% at R)."""
+  spec = importlib.util.spec_from_file_location(
+      "continuous_vs_static", os.path.join(ROOT, "bench", "continuous_vs_static.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  r, g = 20480, 16
+  draws = bench.long_tail_lengths(16 * 40_000, r, 0.05, np.random.default_rng(0)).astype(float)
+  pmf = plan_paged.LONG_TAIL.pmf(r)
+  assert pmf.shape == (r,) and pmf.sum() == pytest.approx(1.0) and pmf[-1] == 0.05
+  stats = plan_paged.mix_stats(pmf, 2048, 64, g)
+  assert stats.mean == pytest.approx(draws.mean(), rel=0.01)
+  assert stats.mean == pytest.approx(plan_est.MEAN_RESPONSE_FRACTION * r, rel=0.01)
+  live = (draws * (draws + 1) / 2).sum() / draws.sum()  # tokens a busy slot reads, time-weighted
+  assert stats.live_response == pytest.approx(live, rel=0.01)
+  assert stats.max_of_group == pytest.approx(draws.reshape(-1, g).max(1).mean(), rel=0.01)
+
+
+def test_closed_form_by_hand():
+  """Tiny shapes, every response at R: pool, pages per busy slot, slots that fit, bytes per
+  step and steps, each against the arithmetic written out."""
+  config = _config("tiny_cpu.py", "--config.mesh=data=2,fsdp=2,tensor=2",
+                   "--config.rollout.max_concurrent_decodes=16")
+  with config.unlocked():
+    config.data.max_prompt_length = 20  # pages of 8: two full prompt pages and a partial one
+    config.rollout.page_size, config.rollout.kv_hbm_fraction = 8, 0.5
+  mcfg = plan_lib.plan_model_config(config)
+  r, g = config.rollout.max_response_length, config.rollout.n
+  assert (r, g, config.algorithm.gen_batch_size) == (32, 8, 32)
+  chip = plan_est.Chip(flops_per_s=1e12, hbm_bytes_per_s=1e9, source="by hand")
+  mib = 2**20
+  e = plan_paged.estimate(config, mcfg, chip, 8, 10 * mib, 2 * mib,
+                          mix=plan_paged.LengthMix(at_max=1.0))
+  # One token's K and V on a chip: 4 layers x (K, V) x 1 of 2 KV heads x 32 x 4 bytes.
+  assert e["kv_bytes_per_token"] == 4 * 2 * 1 * 32 * 4 == 1024
+  assert e["page_bytes"] == 8 * 1024 and (e["data_shards"], e["tensor"]) == (4, 2)
+  # Half of the 8 MiB left: 4 MiB of 8 KiB pages.
+  assert e["kv_budget_bytes"] == 4 * mib and e["pool_pages"] == 512
+  # A sample's own pages at response token j: ceil((20 + j) / 8) - 2 (its copy of the partial
+  # prompt page first): 1 for j <= 4, then 2, 3, 4 for 8 tokens each, 5 for the last 4:
+  # (4 + 16 + 24 + 32 + 20) / 32 = 3 a step. The 2 full prompt pages serve the group's 8
+  # samples (all end together): 2 / 8. The queue: 2 / 8 prompts of 3 pages per slot.
+  pages = e["pages_per_busy_slot"]
+  assert pages["own"] == pytest.approx(3.0)
+  assert pages["shared_prompt"] == pytest.approx(0.25)
+  assert pages["queue"] == pytest.approx(0.75) and pages["total"] == pytest.approx(4.0)
+  assert e["slots_fit_per_shard"] == 512 // 4 == 128
+  assert e["full_sample_pages"] == 7  # ceil(52 / 8)
+  # Bytes per step on a chip: the matmul weights (untied: the embedding is a lookup) over
+  # tensor 2, plus the KV read.
+  weights = (mcfg.num_params() - 64 * 128) * 4 / 2
+  assert weights == 796_800 * 2
+  dense = e["dense"]  # 16 slots, 4 a shard, each reading all 52 positions
+  assert dense["bytes"] == pytest.approx(weights + 4 * 52 * 1024)
+  # 32 x 8 requests of 32 tokens on 16 slots, 85% busy.
+  assert dense["steps"] == pytest.approx(256 * 32 / (16 * 0.85))
+  assert dense["seconds"] == pytest.approx(dense["steps"] * dense["bytes"] / 1e9)
+  assert dense["bound"] == "memory"
+  # Paged at the same 16 slots: 85% of them busy, each reading prompt + (32 + 1) / 2 tokens.
+  paged = e["paged_configured"]
+  assert paged["bytes"] == pytest.approx(weights + 0.85 * 4 * (20 + 16.5) * 1024)
+  assert paged["steps"] == dense["steps"]
+  assert e["speedup_configured"] == pytest.approx(dense["bytes"] / paged["bytes"])
+  # At the 128 slots a shard that fit: 256 x 32 / (512 x 0.85) = 18.8 steps, but no fewer
+  # than the longest response's 32.
+  fit = e["paged_fit"]
+  assert fit["slots"] == 512 and fit["steps"] == 32
+  assert fit["bytes"] == pytest.approx(weights + 0.85 * 128 * 36.5 * 1024)
+  # FLOPs: every slot through the matmuls, busy ones attend (4 x layers x heads x 32 x ctx).
+  attn = 4.0 * 4 * 4 * 32 * 36.5
+  assert fit["flops"] == pytest.approx((128 * 2.0 * 796_800 + 0.85 * 128 * attn) / 2)
+  # The dense engine in the same 4 MiB: each slot reserves 52 positions, its queue share
+  # 2 x 20 / 8: 4 MiB / (57 x 1024 B) = 71 slots a shard.
+  assert e["dense_fit"]["slots"] == 71 * 4
+  # A fixed pool (rollout.kv_pages) overrides the budget; too small for one sample, none fit.
+  with config.unlocked():
+    config.rollout.kv_pages = 6
+  small = plan_paged.estimate(config, mcfg, chip, 8, 10 * mib, 2 * mib,
+                              mix=plan_paged.LengthMix(at_max=1.0))
+  assert small["pool_pages"] == 6 and small["slots_fit_per_shard"] == 0
+  assert "paged_fit" not in small
+  assert "cannot hold one full-length sample (7 pages)" in "\n".join(
+      plan_paged.format_lines(small))
+
+
+def test_plan_prints_the_paged_estimate_for_the_32b(capsys):
+  """The 32B on an analytic target: the issue's per-token figure, and the printed lines."""
+  plan = plan_lib.main(["--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target",
+                        "gpu:h200:4x8", "--config.mesh=data=1,fsdp=-1,tensor=8",
+                        "--config.optim.micro_batch_size=4"])
+  e = plan["paged_estimate"]
+  assert e["kv_bytes_per_token"] == 32 * 1024  # 64 layers x (K, V) x 1 KV head x 128 x 2 B
+  assert e["dense"]["kv_bytes"] == 64 * 22528 * 32 * 1024  # 64 slots a shard of 704 MiB
+  assert e["slots_fit_per_shard"] > 64 and e["speedup_fit"] > e["speedup_configured"] > 1
+  text = capsys.readouterr().out
+  assert "paged KV rollout ESTIMATE" in text and "slots that fit" in text
