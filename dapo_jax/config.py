@@ -16,6 +16,8 @@ from dapo_jax import batch_rules
 from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
 from dapo_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, Qwen2Config
+from dapo_jax.models.paged_attention import PAGED_IMPLS
+from dapo_jax.models.paged_kv import KV_CACHES
 from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
 from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
@@ -76,6 +78,18 @@ def default_config() -> ml_collections.ConfigDict:
   # and process count) or "static" (rollout/sampler.py: one while_loop per batch of rows).
   c.rollout.engine = "continuous"
   c.rollout.max_concurrent_decodes = 256  # continuous engine slots (split over the batch axes)
+  # The continuous engine's KV cache: "paged" (one page pool; a prompt's pages shared by its G
+  # samples; attention reads only live pages; a full pool preempts the youngest sample, which
+  # is decoded again and draws the same tokens), "dense" (every slot reserves prompt +
+  # response positions and every step reads them), or "auto": paged where it is faster (TPU
+  # and GPU, and on CPU from PAGED_MIN_CACHE_LENGTH positions per slot, bench/paged_engine.py).
+  c.rollout.kv_cache = "auto"
+  c.rollout.page_size = 64  # tokens per page
+  c.rollout.kv_pages = 0  # pages in the pool; 0: kv_hbm_fraction of free memory (CPU: no limit)
+  c.rollout.kv_hbm_fraction = 0.9
+  # Paged decode attention: "auto" (TPU: Pallas paged_attention, GPU: Pallas/Triton
+  # paged_attention, CPU: "xla", the pure-JAX reference), or one of those by name.
+  c.rollout.attention_impl = "auto"
   # Tokens that end a response: "checkpoint_and_chat" the checkpoint's EOS ids plus the chat-end
   # markers <|im_end|> and <|endoftext|> when the vocabulary has them (a base model under a chat
   # template ends with either); "checkpoint" the checkpoint's own (eos_token and
@@ -224,6 +238,19 @@ def _check_keys(c: ml_collections.ConfigDict) -> None:
       raise ConfigError(f"config.model.overrides.{key}: not a Qwen2Config field.{hint}")
 
 
+def _check_kv_cache(r: ml_collections.ConfigDict, bad) -> None:
+  if r.kv_cache not in KV_CACHES:
+    bad("rollout.kv_cache", r.kv_cache, f"choose one of {KV_CACHES}")
+  if r.attention_impl not in PAGED_IMPLS:
+    bad("rollout.attention_impl", r.attention_impl, f"choose one of {PAGED_IMPLS}")
+  if r.page_size < 1:
+    bad("rollout.page_size", r.page_size, "tokens per page must be >= 1 (e.g. 64)")
+  if r.kv_pages < 0:
+    bad("rollout.kv_pages", r.kv_pages, "must be >= 0 (0: sized by rollout.kv_hbm_fraction)")
+  if not 0 < r.kv_hbm_fraction <= 1:
+    bad("rollout.kv_hbm_fraction", r.kv_hbm_fraction, "must be in (0, 1]")
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Raises ValueError naming the field for values that would fail later or silently.
 
@@ -276,6 +303,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   if not c.algorithm.dynamic_sampling and c.algorithm.gen_batch_size < o.train_batch_size:
     bad("algorithm.gen_batch_size", c.algorithm.gen_batch_size,
         "without dynamic sampling one generation batch must hold optim.train_batch_size prompts")
+  _check_kv_cache(c.rollout, bad)
   ppc = c.rollout.prompts_per_call
   if ppc < 0 or (0 < ppc < c.algorithm.gen_batch_size and c.algorithm.gen_batch_size % ppc):
     bad("rollout.prompts_per_call", ppc,

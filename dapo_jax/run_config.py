@@ -52,6 +52,10 @@ SAFE_KEYS = {
     "mesh": "device layout", "rollout_mesh": "device layout", "dcn_mesh": "device layout",
     "model.remat": "recompute or store activations (memory only)",
     "reward.num_workers": "verifier processes",
+    # The engine's KV memory and kernel: a sample draws the same tokens with the same keys
+    # either way (log-probs equal to ~1e-6, tests/test_paged_engine.py).
+    **{f"rollout.{k}": "rollout KV-cache layout" for k in (
+        "kv_cache", "page_size", "kv_pages", "kv_hbm_fraction", "attention_impl")},
     # Where the datasets named by data.train / data.eval are stored (not which data).
     "data.data_dir": "dataset location", "data.manual_dir": "dataset location",
     # Stopping rules: train.py's "sampling stopped" and "dataset ran out" errors ask for a

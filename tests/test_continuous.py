@@ -128,7 +128,9 @@ def test_slots_sharded_over_the_mesh_match_one_device(split_model):
   assert sharded.last_stats.decode_steps == one.last_stats.decode_steps
   # Layout of the engine: slots over the batch axes and KV heads over `tensor`; the prompt
   # queue's rows whole on every device, its KV heads split like the slots'.
-  stream = sharded.open_stream(state, params=params, num_samples=G, key=jax.random.key(1))
+  dense = continuous.ContinuousSampler(graphdef, num_slots=8, chunk_steps=5, mesh=mesh,
+                                       kv_cache="dense")
+  stream = dense.open_stream(state, params=params, num_samples=G, key=jax.random.key(1))
   engine = stream._engine  # pylint: disable=protected-access
   slot_k, queue_k = engine.slots.decode.cache.k[0], engine.queue.cache.k[0]
   assert slot_k.sharding.shard_shape(slot_k.shape)[:2] == (8 // 4, slot_k.shape[1] // 2)

@@ -34,6 +34,10 @@ import jax.numpy as jnp
 from dapo_jax.models.kv_cache import Layers, per_layer
 
 
+# The continuous engine's cache choices (rollout.kv_cache): "auto" picks paged where it is faster.
+KV_CACHES = ("auto", "paged", "dense")
+
+
 def pages_for(length: jax.Array | int, page_size: int) -> jax.Array | int:
   """Pages holding `length` tokens: ceil(length / page_size)."""
   return -(-length // page_size)
@@ -103,13 +107,8 @@ def alloc(cache: PagedKVCache, length: jax.Array) -> tuple[PagedKVCache, jax.Arr
 
   Returns the cache, the pages [M] in token order (-1 past ceil(length / T)) and `ok`.
   """
-  m = cache.max_pages
-  need = pages_for(length, cache.page_size)
-  ok = (need <= cache.free_pages()) & (need <= m)
-  r_M = jnp.arange(m, dtype=jnp.int32)
-  pages_M = jnp.where(ok & (r_M < need), _first_free(cache.refcount, r_M), -1)
-  refcount = cache.refcount.at[cache._drop(pages_M, pages_M >= 0)].set(1, mode="drop")
-  return cache.replace(refcount=refcount), pages_M, ok
+  cache, pages_1xM, ok_1 = alloc_prompts(cache, jnp.asarray(length)[None], jnp.ones((1,), bool))
+  return cache, pages_1xM[0], ok_1[0]
 
 
 def release(cache: PagedKVCache, pages_XxM: jax.Array) -> PagedKVCache:
@@ -213,20 +212,49 @@ def commit_append(cache: PagedKVCache, app: Append) -> PagedKVCache:
   return cache.replace(length=cache.length + app.ok.astype(jnp.int32))
 
 
-def write_prompt(cache: PagedKVCache, pages_M: jax.Array, k_LxSxKxE: Layers,
-                 v_LxSxKxE: Layers, length: jax.Array) -> PagedKVCache:
-  """A prefilled prompt's keys and values (S >= length tokens, per layer [S, K, E]) into its
-  pages (`alloc`); tokens past `length` are dropped."""
-  s, t = (k_LxSxKxE if not isinstance(k_LxSxKxE, (tuple, list)) else k_LxSxKxE[0]).shape[-3], (
+def alloc_prompts(cache: PagedKVCache, length_X: jax.Array, real_X: jax.Array
+                  ) -> tuple[PagedKVCache, jax.Array, jax.Array]:
+  """`alloc` for X prompts at once, in order: prompt x gets its pages when it and every real
+  prompt before it fit in the free pages (a prefix rule the host can mirror exactly); the
+  others get none (`ok_X` False). Returns the cache, pages [X, M] (-1 none) and `ok_X`."""
+  m = cache.max_pages
+  need_X = jnp.where(real_X, pages_for(length_X, cache.page_size), 0)
+  end_X = jnp.cumsum(need_X)
+  ok_X = real_X & (end_X <= cache.free_pages()) & (need_X <= m)
+  r_M = jnp.arange(m, dtype=jnp.int32)
+  take_XxM = ok_X[:, None] & (r_M[None] < need_X[:, None])
+  pages_XxM = jnp.where(take_XxM, _first_free(cache.refcount, end_X[:, None] - need_X[:, None]
+                                              + r_M[None]), -1)
+  refcount = cache.refcount.at[cache._drop(pages_XxM, take_XxM).reshape(-1)].set(1, mode="drop")
+  return cache.replace(refcount=refcount), pages_XxM, ok_X
+
+
+def write_prompts(cache: PagedKVCache, pages_XxM: jax.Array, k_XxKxExS: Layers,
+                  v_XxKxSxE: Layers, length_X: jax.Array) -> PagedKVCache:
+  """X prefilled prompts into their pages (`alloc_prompts`), from the dense cache layout of
+  `kv_cache.KVCache` (per layer keys [X, K, E, S], values [X, K, S, E]); tokens past
+  `length_X`, and prompts without pages, are dropped."""
+  s, t = (k_XxKxExS if not isinstance(k_XxKxExS, (tuple, list)) else k_XxKxExS[0]).shape[-1], (
       cache.page_size)
   pos_S = jnp.arange(s, dtype=jnp.int32)
-  page_S = cache._drop(pages_M[jnp.minimum(pos_S // t, cache.max_pages - 1)], pos_S < length)
+  page_XxS = pages_XxM[:, jnp.minimum(pos_S // t, cache.max_pages - 1)]
+  page_XxS = cache._drop(page_XxS, pos_S[None] < length_X[:, None])
+  off_XxS = jnp.broadcast_to(pos_S % t, page_XxS.shape)
 
-  def put(pool: jax.Array, x_SxKxE: jax.Array) -> jax.Array:
-    return pool.at[:, page_S, pos_S % t].set(
-        x_SxKxE.transpose(1, 0, 2).astype(pool.dtype), mode="drop")
+  def put(pool: jax.Array, x_KxXxSxE: jax.Array) -> jax.Array:  # one layer
+    return pool.at[:, page_XxS, off_XxS].set(x_KxXxSxE.astype(pool.dtype), mode="drop")
 
-  return cache.replace(k=per_layer(put, cache.k, k_LxSxKxE), v=per_layer(put, cache.v, v_LxSxKxE))
+  return cache.replace(
+      k=per_layer(lambda pool, x: put(pool, x.transpose(1, 0, 3, 2)), cache.k, k_XxKxExS),
+      v=per_layer(lambda pool, x: put(pool, x.transpose(1, 0, 2, 3)), cache.v, v_XxKxSxE))
+
+
+def write_prompt(cache: PagedKVCache, pages_M: jax.Array, k_LxSxKxE: Layers,
+                 v_LxSxKxE: Layers, length: jax.Array) -> PagedKVCache:
+  """`write_prompts` of one prompt given per layer as [S, K, E] keys and values."""
+  k = per_layer(lambda x: x.transpose(1, 2, 0)[None], k_LxSxKxE)
+  v = per_layer(lambda x: x.transpose(1, 0, 2)[None], v_LxSxKxE)
+  return write_prompts(cache, pages_M[None], k, v, jnp.asarray(length)[None])
 
 
 def gather_dense(cache: PagedKVCache, layer: int, slots: int | None = None

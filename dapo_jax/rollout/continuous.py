@@ -3,10 +3,12 @@
 The host side of the engine whose compiled programs live in `rollout/slot_programs.py`:
 
 * `ContinuousStream` (the `rollout.stream.RolloutStream` interface): `admit` queues a prompt on
-  the host; `poll` enqueues waiting prompts into the device queue (each prefilled once, its KV
-  later copied into its G slots), then runs compiled chunks of decode steps that admit queued
-  samples into free slots themselves, reading the emitted tokens once per chunk, until a group
-  has finished.
+  the host; `poll` enqueues waiting prompts into the device queue (each prefilled once; its KV
+  later copied into its G slots, or with the paged cache written once into pages its G slots
+  share), then runs compiled chunks of decode steps that admit queued samples into free slots
+  themselves, reading the emitted tokens once per chunk, until a group has finished. A sample
+  the paged engine preempted (out of pages) is re-queued here and decoded again from its first
+  token: it draws the same tokens.
 * `ContinuousSampler.generate`: the static sampler's contract (rows prompt-major) on a stream.
 
     sampler = ContinuousSampler(graphdef, num_slots=64, mesh=mesh)
@@ -33,6 +35,7 @@ from jax.sharding import Mesh
 
 from dapo_jax import distributed
 from dapo_jax import sharding as shd
+from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.init import cast_params
 from dapo_jax.rollout import engine_programs
 from dapo_jax.rollout import slot_programs as prog
@@ -42,6 +45,9 @@ from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.stream import FinishedGroup
 
 TRACES = prog.TRACES
+# "auto" on CPU: the paged engine from this many positions per slot (prompt + response) up,
+# where it outran the dense one (bench/paged_engine.py, docs/paged_kv.md); TPU and GPU: always.
+PAGED_MIN_CACHE_LENGTH_CPU = 1024
 
 
 @dataclasses.dataclass
@@ -54,6 +60,11 @@ class RolloutStats:
   decode_steps: int = 0  # decode steps run (all slots advance together)
   busy_slot_steps: int = 0  # slot-steps that emitted a token of a live sample
   num_slots: int = 0
+  kv_pages: int = 0  # paged: pages in the pool (0: dense cache)
+  min_free_pages: int = 0  # paged: fewest free pages seen after a chunk
+  preemptions: int = 0  # paged: samples sent back to the queue for want of pages
+  preempted_tokens: int = 0  # tokens those samples had emitted (decoded again)
+  stalled_slot_steps: int = 0  # paged: slot-steps that waited for a page
 
   @property
   def utilization(self) -> float:
@@ -95,6 +106,7 @@ class ContinuousStream:
       raise ValueError(f"A prompt of {prompt_length} tokens exceeds max_prefill_length="
                        f"{sampler.max_prefill_length}.")
     self._p = sl.prefill_bucket(prompt_length)  # the queue's prompt slots
+    self._max_prompt = prompt_length
     mesh = sampler.mesh
     if mesh is not None:
       state = jax.device_put(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
@@ -103,16 +115,25 @@ class ContinuousStream:
     is_typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     key_data = np.asarray(jax.device_get(jax.random.key_data(key) if is_typed else key))
     self._queue_size = sampler.queue_prompts(num_samples)
+    cache_length = self._p + params.max_new_tokens
+    self._paged = sampler.paged_spec(self._state, prompt_length, params.max_new_tokens,
+                                     self._queue_size)
     self._progs = sampler.programs(self._state, queue_size=self._queue_size,
                                    num_samples=num_samples, prompt_length=self._p,
-                                   cache_length=self._p + params.max_new_tokens, params=params)
+                                   cache_length=cache_length, params=params, paged=self._paged)
     self._engine = self._progs.init(self._state)
     self._key = self._put(key_data.astype(np.uint32))
     self._free_entries = list(range(self._queue_size))
-    self._host: collections.deque[int] = collections.deque()  # seqs not yet enqueued
+    # (seq, budgets [G]) not yet enqueued; a re-queued preempted sample has only its own budget.
+    self._host: collections.deque[tuple[int, np.ndarray]] = collections.deque()
     self._groups: dict[int, _Group] = {}  # seq -> group, until returned by poll
     self._index_seen: set[int] = set()
     self._stats = RolloutStats(num_slots=sampler.num_slots)
+    # Paged: the host mirrors the pool's page count to enqueue only prompts that get pages.
+    pages = self._paged.num_pages if self._paged else 0
+    self._stats.kv_pages = self._stats.min_free_pages = pages
+    self._free_pages, self._entry_pages = pages, np.zeros((self._queue_size,), np.int64)
+    self._page_blocked = False
 
   def _put(self, x: np.ndarray):
     """A host value (the same on every process) as a replicated input of the programs."""
@@ -144,15 +165,34 @@ class ContinuousStream:
     self._stats.prompts += 1
     self._groups[seq] = _Group(prompt_index, ids, budget, [[] for _ in range(self._g)],
                                [[] for _ in range(self._g)])
-    self._host.append(seq)
+    self._host.append((seq, budget))
 
   @property
   def num_pending(self) -> int:
     return len(self._groups)
 
+  def _pages_allow(self, take: int) -> int:
+    """How many of the first `take` host prompts the paged pool takes now: each gets its pages
+    (the device's `alloc_prompts` rule), and the queue's holds leave room for one sample of
+    the longest prompt to run to its full length, so the oldest sample can always finish."""
+    if self._paged is None:
+      return take
+    t, pages = self._paged.page_size, self._paged.num_pages
+    one = self._paged.max_pages(self._max_prompt + self._params.max_new_tokens) + 1
+    free, held = self._free_pages, int(self._entry_pages.sum())
+    for i in range(take):
+      need = paged_kv.pages_for(self._groups[self._host[i][0]].prompt_ids.size, t)
+      if need > free or held + need + one > pages:
+        return i
+      free, held = free - need, held + need
+    return take
+
   def _enqueue(self) -> None:
-    """Prefills as many host-side prompts as the device queue has free entries for."""
-    take = min(len(self._free_entries), len(self._host))
+    """Prefills as many host-side prompts as the device queue has free entries (and the paged
+    pool has pages) for."""
+    room = min(len(self._free_entries), len(self._host))
+    take = self._pages_allow(room)
+    self._page_blocked = take < room
     if not take:
       return
     m = _pow2_at_least(take, self._queue_size)
@@ -162,11 +202,15 @@ class ContinuousStream:
     budget = np.ones((m, self._g), np.int32)
     entry = np.full((m,), self._queue_size, np.int32)  # out of range: padding, dropped
     for row in range(take):
-      sq = self._host.popleft()
+      sq, budget[row] = self._host.popleft()
       grp = self._groups[sq]
       tokens[row, :grp.prompt_ids.size] = grp.prompt_ids
       true_len[row], key_id[row], seq[row] = grp.prompt_ids.size, grp.prompt_index, sq
-      budget[row], entry[row] = grp.budget, self._free_entries.pop(0)
+      entry[row] = self._free_entries.pop(0)
+      if self._paged is not None:
+        need = paged_kv.pages_for(grp.prompt_ids.size, self._paged.page_size)
+        self._entry_pages[entry[row]] = need
+        self._free_pages -= need
     args = map(self._put, (tokens, true_len, key_id, seq, budget, entry))
     self._engine = self._progs.enqueue(self._state, self._engine, *args)
     self._stats.enqueues += 1
@@ -174,14 +218,24 @@ class ContinuousStream:
 
   def _chunk(self) -> list[int]:
     """One compiled chunk; returns the seqs of the groups it completed."""
+    # Prompts the pool has no pages for yet are not "more to enqueue": the chunk runs on.
+    more = bool(self._host) and not self._page_blocked
     self._engine, out = self._progs.chunk(self._state, self._engine, self._key,
-                                          self._put(np.asarray(bool(self._host))))
+                                          self._put(np.asarray(more)))
     out = distributed.global_to_host(out)  # the one host read of the chunk
     st = self._stats
     st.chunks += 1
     st.decode_steps += int(out.steps)
     queued = np.asarray(out.queued)
     self._free_entries = np.flatnonzero(queued == 0).tolist()  # every sample in a slot
+    if self._paged is not None:
+      if int(out.lost):
+        raise RuntimeError(f"The paged engine could not give {int(out.lost)} enqueued prompt(s) "
+                           "pages although the host counted enough; please report this.")
+      self._entry_pages[queued == 0] = 0  # the entry dropped its hold
+      self._free_pages = int(out.free_pages)
+      st.min_free_pages = min(st.min_free_pages, self._free_pages)
+      st.stalled_slot_steps += int(out.stalls)
     owner = np.asarray(out.owner_KxN)
     k_idx, n_idx = np.nonzero(owner >= 0)  # step-major: each sample's tokens in order
     st.busy_slot_steps += k_idx.size
@@ -195,6 +249,15 @@ class ContinuousStream:
         grp.done += 1
         if grp.done == self._g:
           finished.append(sq)
+    for owner_id in np.asarray(out.preempted_K)[:int(out.steps)]:
+      if owner_id >= 0:  # decoded again from its first token, ahead of new prompts
+        sq, g = divmod(int(owner_id), self._g)
+        grp = self._groups[sq]
+        st.preemptions += 1
+        st.preempted_tokens += len(grp.tokens[g])
+        grp.tokens[g], grp.logprobs[g] = [], []
+        only = np.where(np.arange(self._g) == g, grp.budget, 0).astype(np.int32)
+        self._host.appendleft((sq, only))
     return finished
 
   def poll(self) -> list[FinishedGroup]:
@@ -250,13 +313,30 @@ class ContinuousSampler:
     max_admit: most samples placed into free slots per decode step (0: min(N, max(16, N/8))):
       admission samples the first tokens of that many rows whenever a slot is free, so it is kept
       well below N; the rest of the free slots fill on the next steps.
+    kv_cache: "paged" (one page pool shared by all slots, prompts' pages shared by their
+      samples, attention over live pages), "dense" (each slot reserves prompt + response) or
+      "auto" (paged on TPU and GPU, and on CPU from PAGED_MIN_CACHE_LENGTH_CPU positions).
+    page_size: tokens per page (paged).
+    kv_pages: pages in the pool (paged); 0 sizes it by `kv_hbm_fraction` of the accelerator
+      memory left free, capped at what every slot at full length needs (on CPU: that cap).
+    attention_impl: the paged decode attention (`models/paged_attention.PAGED_IMPLS`).
   """
 
   def __init__(self, graphdef: nnx.GraphDef, *, num_slots: int = 8, chunk_steps: int = 32,
                mesh: Mesh | None = None, max_prefill_length: int | None = None,
-               queue_prompts: int = 0, max_admit: int = 0):
+               queue_prompts: int = 0, max_admit: int = 0, kv_cache: str = "auto",
+               page_size: int = 64, kv_pages: int = 0, kv_hbm_fraction: float = 0.9,
+               attention_impl: str = "auto"):
     if num_slots < 1 or chunk_steps < 1:
       raise ValueError(f"num_slots ({num_slots}) and chunk_steps ({chunk_steps}) must be >= 1.")
+    if kv_cache not in paged_kv.KV_CACHES:
+      raise ValueError(f"kv_cache={kv_cache!r}; choose one of {paged_kv.KV_CACHES}.")
+    if page_size < 1 or kv_pages < 0 or not 0 < kv_hbm_fraction <= 1:
+      raise ValueError(f"page_size ({page_size}) must be >= 1, kv_pages ({kv_pages}) >= 0 and "
+                       f"kv_hbm_fraction ({kv_hbm_fraction}) in (0, 1].")
+    paged_attention.resolve_paged_impl(attention_impl)  # an unknown name fails here
+    self.kv_cache, self.page_size, self.kv_pages = kv_cache, page_size, kv_pages
+    self.kv_hbm_fraction, self.attention_impl = kv_hbm_fraction, attention_impl
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
     if self.mesh is not None:
       shards = math.prod(shd.batch_axes(self.mesh, shd.SAMPLE_RULES).values())
@@ -274,13 +354,52 @@ class ContinuousSampler:
     self.last_stats = RolloutStats()
 
   def programs(self, state: nnx.State, *, queue_size: int, num_samples: int, prompt_length: int,
-               cache_length: int, params: SamplingParams) -> engine_programs.EnginePrograms:
+               cache_length: int, params: SamplingParams, paged: prog.PagedSpec | None = None
+               ) -> engine_programs.EnginePrograms:
     """The compiled programs of streams of this shape (`engine_programs.programs_for`)."""
     return engine_programs.programs_for(
         state, graphdef=self.graphdef, mesh=self.mesh, num_slots=self.num_slots,
         queue_size=queue_size, num_samples=num_samples, prompt_length=prompt_length,
         cache_length=cache_length, params=params, chunk_steps=self.chunk_steps,
-        max_admit=self.max_admit)
+        max_admit=self.max_admit, paged=paged)
+
+  def paged_spec(self, state: nnx.State, prompt_length: int, response_length: int,
+                 queue_size: int) -> prog.PagedSpec | None:
+    """The pool of a stream whose prompts hold up to `prompt_length` tokens and responses up to
+    `response_length` (None: dense cache). Raises when `kv_pages` cannot hold one prompt and
+    one full-length sample besides it."""
+    cache_length = prompt_length + response_length
+    kv = self.kv_cache
+    if kv == "auto":
+      cpu = jax.devices()[0].platform == "cpu"
+      kv = "paged" if not cpu or cache_length >= PAGED_MIN_CACHE_LENGTH_CPU else "dense"
+    if kv != "paged":
+      return None
+    t = self.page_size
+    full = paged_kv.pages_for(cache_length, t)
+    smallest = paged_kv.pages_for(prompt_length, t) + full + 1
+    # Never more than every slot at full length plus every queued prompt: no preemption.
+    enough = self.num_slots * full + queue_size * paged_kv.pages_for(prompt_length, t) + 1
+    pages = self.kv_pages or min(enough, max(smallest, self._pages_in_budget(state, t)))
+    if pages < smallest:
+      raise ValueError(
+          f"rollout.kv_pages={pages} pages of {t} tokens cannot hold a {prompt_length}-token "
+          f"prompt and one {cache_length}-token sample; use at least {smallest}.")
+    return prog.PagedSpec(num_pages=pages, page_size=t, impl=self.attention_impl)
+
+  def _pages_in_budget(self, state: nnx.State, page_size: int) -> int:
+    """Pages that `kv_hbm_fraction` of the first device's free memory holds (per device, a
+    page is split over the mesh's `tensor` axis like the KV heads); a huge number where the
+    backend reports no memory (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+      return 1 << 40
+    cfg = nnx.merge(self.graphdef, state).config
+    split = self.mesh.shape.get("tensor", 1) if self.mesh is not None else 1
+    page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.dim_per_head
+                  * page_size * jnp.dtype(cfg.jnp_dtype).itemsize) // max(1, split)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return int(self.kv_hbm_fraction * free) // max(1, page_bytes)
 
   def queue_prompts(self, num_samples: int) -> int:
     """Device queue entries for a stream of `num_samples` per prompt."""
@@ -329,9 +448,10 @@ class ContinuousSampler:
 
 def make_rollout_fn(graphdef: nnx.GraphDef, *, mesh: Mesh | None = None, tokenizer=None,
                     max_concurrent_decodes: int = 64, max_prefill_length: int | None = None,
-                    chunk_steps: int = 32):
+                    chunk_steps: int = 32, **kv):
   """The rollout callable `rollout.factory` wants: `Sampler.generate`'s signature, host prompts
-  in and the same host-backed `RolloutBatch` out on every process."""
+  in and the same host-backed `RolloutBatch` out on every process. `kv`: the sampler's KV
+  cache arguments (kv_cache, page_size, kv_pages, kv_hbm_fraction, attention_impl)."""
   del tokenizer  # stop tokens come with the call's SamplingParams.eos_ids
   return ContinuousSampler(graphdef, num_slots=max_concurrent_decodes, chunk_steps=chunk_steps,
-                           mesh=mesh, max_prefill_length=max_prefill_length).generate
+                           mesh=mesh, max_prefill_length=max_prefill_length, **kv).generate

@@ -64,7 +64,8 @@ def signature(state: nnx.State) -> tuple:
 
 
 def lower_chunk(state: Any, engine: Any, *, graphdef: nnx.GraphDef, params: SamplingParams,
-                mesh: Mesh | None, chunk_steps: int, max_admit: int):
+                mesh: Mesh | None, chunk_steps: int, max_admit: int,
+                paged: prog.PagedSpec | None = None):
   """The chunk lowered with the engine state's layouts (in = out, donated) left to the
   compiler. `state` and `engine`: arrays or ShapeDtypeStructs carrying their shardings."""
   rep = replicated_sharding(mesh, state)
@@ -72,7 +73,7 @@ def lower_chunk(state: Any, engine: Any, *, graphdef: nnx.GraphDef, params: Samp
   st_sh = jax.tree.map(lambda x: x.sharding, state)
   eng_sh = jax.tree.map(lambda x: x.sharding, engine)
   fn = functools.partial(prog.chunk_program.__wrapped__, graphdef=graphdef, params=params,
-                         mesh=mesh, chunk_steps=chunk_steps, max_admit=max_admit)
+                         mesh=mesh, chunk_steps=chunk_steps, max_admit=max_admit, paged=paged)
   jitted = jax.jit(fn, in_shardings=(st_sh, _auto(eng_sh), rep, rep),
                    out_shardings=(_auto(eng_sh), rep), donate_argnums=(1,))
   return jitted.lower(_abstract(state, st_sh), _abstract(engine, eng_sh),
@@ -94,18 +95,19 @@ class EnginePrograms:
 
   def __init__(self, state: nnx.State, *, graphdef: nnx.GraphDef, mesh: Mesh | None,
                num_slots: int, queue_size: int, num_samples: int, prompt_length: int,
-               cache_length: int, params: SamplingParams, chunk_steps: int, max_admit: int):
+               cache_length: int, params: SamplingParams, chunk_steps: int, max_admit: int,
+               paged: prog.PagedSpec | None = None):
     self._graphdef, self._mesh = graphdef, mesh
     self.replicated = replicated_sharding(mesh, state)
     self._state_sh = jax.tree.map(lambda x: x.sharding, state)
     init_static = dict(graphdef=graphdef, num_slots=num_slots, queue_size=queue_size,
                        num_samples=num_samples, prompt_length=prompt_length,
-                       cache_length=cache_length, mesh=mesh)
+                       cache_length=cache_length, mesh=mesh, paged=paged)
     # The engine's shapes and shardings, from the init program as XLA lays it out by default.
     default_init = lower_init(state, **init_static)
     engine = _abstract(default_init.out_info, default_init.compile().output_shardings)
     self.chunk = lower_chunk(state, engine, graphdef=graphdef, params=params, mesh=mesh,
-                             chunk_steps=chunk_steps, max_admit=max_admit).compile()
+                             chunk_steps=chunk_steps, max_admit=max_admit, paged=paged).compile()
     self.formats = self.chunk.input_formats[0][1]
     if jax.tree.leaves(self.chunk.output_formats[0]) != jax.tree.leaves(self.formats):
       raise RuntimeError("The compiled chunk returns the engine state in other layouts than it "

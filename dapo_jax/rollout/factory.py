@@ -23,6 +23,13 @@ RolloutCallable = Callable[[nnx.State, Any, Any, jax.Array, SamplingParams, int]
 StreamOpener = Callable[..., RolloutStream]
 
 
+def kv_cache_args(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The continuous engine's KV-cache arguments from ``config.rollout``."""
+  r = config.rollout
+  return dict(kv_cache=r.kv_cache, page_size=r.page_size, kv_pages=r.kv_pages,
+              kv_hbm_fraction=r.kv_hbm_fraction, attention_impl=r.attention_impl)
+
+
 def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh: Mesh | None,
                  tokenizer) -> RolloutCallable:
   """``config.rollout.engine``: "continuous" (slots refilled inside the compiled loop) or
@@ -40,7 +47,8 @@ def make_rollout(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, mesh
     # Runs the same host schedule on every process and reads replicated outputs itself.
     return continuous.make_rollout_fn(graphdef, mesh=mesh, tokenizer=tokenizer,
                                       max_concurrent_decodes=config.rollout.max_concurrent_decodes,
-                                      max_prefill_length=config.data.max_prompt_length)
+                                      max_prefill_length=config.data.max_prompt_length,
+                                      **kv_cache_args(config))
   raise ValueError(f"config.rollout.engine={engine!r}; choose 'static' or 'continuous'.")
 
 
@@ -65,7 +73,7 @@ def make_stream_opener(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef
     from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
     sampler = continuous.ContinuousSampler(
         graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
-        max_prefill_length=config.data.max_prompt_length)
+        max_prefill_length=config.data.max_prompt_length, **kv_cache_args(config))
     return sampler.open_stream
   raise ValueError(f"config.rollout.engine={config.rollout.engine!r}; choose 'static' or "
                    "'continuous'.")

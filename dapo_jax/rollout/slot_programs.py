@@ -3,15 +3,25 @@
 Shapes: Q queued prompts, G samples per prompt, P prompt slots, N decode slots, S = P + R cache
 slots, K decode steps per chunk, A most slots admitted per step.
 
+The KV cache is dense (each slot reserves S positions, each queue entry P) or, with a
+`PagedSpec`, one page pool (`models/paged_kv.py`): a prompt's pages are written once at enqueue
+and shared by its G samples (reference counts, the last partial page copied on write), a slot
+holds only the pages its tokens need and attention reads only live pages.
+
 * `init_program`: an empty queue and N empty slots (slots laid out over the batch axes).
-* `enqueue_program`: prefills M prompts ONCE each into free queue entries (their cache and the
-  hidden state of their last token); their G samples wait there for slots.
+* `enqueue_program`: prefills M prompts ONCE each into free queue entries (their cache, or their
+  pages, and the hidden state of their last token); their waiting samples (budget > 0) stay
+  there until slots take them.
 * `chunk_program`: a `lax.while_loop` of up to K steps. Each step first admits queued samples
-  into the free slots (first come, first served: the prompt's cache row is copied, in place,
-  into each of its samples' slots and the sample's first token drawn from the prompt's hidden
-  state), then runs one `slots.decode_step` over all N slots (the static sampler's
-  `model.decode_step`). Every live slot emits the token it feeds; a slot frees itself after its
-  stop token or budget.
+  into the free slots (first come, first served: dense, the prompt's cache row is copied, in
+  place, into each of its samples' slots; paged, the slot's page table points at the prompt's
+  pages; the sample's first token is drawn from the prompt's hidden state), then runs one
+  decode step over all N slots (the model's `decode_step` or `decode_step_paged`). Every slot
+  that stored its token emits it; a slot frees itself after its stop token or budget.
+  Paged admission also waits for free pages (one per live slot stays in reserve). A step in
+  which a slot finds no page preempts the youngest live sample (largest owner): its pages are
+  freed and the chunk reports it; the host re-queues it from its first token, and as every
+  token is drawn with fold_in(request key, position) it redraws the same tokens.
   The loop ends after K steps, when nothing is left to decode, or when the queue runs dry while
   a slot is free and the host has prompts to enqueue. Its outputs are replicated, so the host
   reads them (once per chunk) on every process.
@@ -21,6 +31,7 @@ The host driver is `rollout/continuous.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -30,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
+from dapo_jax.models import paged_kv
 from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
@@ -40,16 +52,29 @@ EMPTY_SEQ = jnp.iinfo(jnp.int32).max  # `seq` of a free queue entry (sorts last)
 SMALL_ADMIT = 4  # admission variant for steps with few free slots
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+  """A paged engine's pool (static: part of the compiled programs' shape)."""
+  num_pages: int  # pages in the pool
+  page_size: int  # tokens per page
+  impl: str = "auto"  # decode attention kernel (`models/paged_attention.py`)
+
+  def max_pages(self, cache_length: int) -> int:
+    """Most pages one slot holds: its prompt plus its response."""
+    return paged_kv.pages_for(cache_length, self.page_size)
+
+
 @flax.struct.dataclass
 class Queue:
   """Q prefilled prompts whose samples wait for slots."""
-  cache: KVCache  # [Q, P]
+  cache: KVCache | None  # dense: [Q, P]
+  pages: jax.Array | None  # paged: [Q, M] int32 the prompt's pages (-1 none), held until placed
   hidden: jax.Array  # [Q, D] hidden state at the prompt's last token
   position: jax.Array  # [Q] int32 prompt tokens = position of the first response token
   key_id: jax.Array  # [Q] int32 prompt index (first fold of the request keys)
   seq: jax.Array  # [Q] int32 admission order; EMPTY_SEQ when free
   budget: jax.Array  # [Q, G] int32 per-sample response budgets
-  placed: jax.Array  # [Q] int32 samples already in slots (G: all placed, or free)
+  waiting: jax.Array  # [Q, G] bool sample not yet in a slot (none: placed, or entry free)
 
 
 @flax.struct.dataclass
@@ -66,6 +91,7 @@ class Slots:
 class Engine:
   queue: Queue
   slots: Slots
+  lost: jax.Array  # [] int32 prompts enqueue could not give pages (the host's count was wrong)
 
 
 @flax.struct.dataclass
@@ -77,6 +103,10 @@ class ChunkOut:
   done_KxN: jax.Array  # the token ended its sample
   steps: jax.Array  # [] decode steps run
   queued: jax.Array  # [Q] samples of each entry not yet in a slot (0: entry free)
+  preempted_K: jax.Array  # [K] int32 owner preempted at each step, -1 none (paged)
+  stalls: jax.Array  # [] int32 slot-steps that waited for a page (paged)
+  free_pages: jax.Array  # [] int32 free pages after the chunk (paged; -1 dense)
+  lost: jax.Array  # [] int32 the engine's `lost`
 
 
 _STATIC = ("graphdef", "params", "mesh")
@@ -92,50 +122,77 @@ def _replicated(x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "queue_size",
                                              "num_samples", "prompt_length", "cache_length",
-                                             "mesh"))
+                                             "mesh", "paged"))
 def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_samples: int,
-                 prompt_length: int, cache_length: int, mesh: Mesh | None) -> Engine:
+                 prompt_length: int, cache_length: int, mesh: Mesh | None,
+                 paged: PagedSpec | None = None) -> Engine:
   TRACES.record("init")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     model = nnx.merge(graphdef, state)
-    decode = sl.empty_decode_state(model, num_slots, cache_length)
-    kv = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None))
-    decode = decode.replace(cache=decode.cache.replace(
-        k=per_layer(kv, decode.cache.k), v=per_layer(kv, decode.cache.v),
-        valid=_slot_rows(decode.cache.valid)))
+    if paged is None:
+      decode = sl.empty_decode_state(model, num_slots, cache_length)
+      kv = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None))
+      decode = decode.replace(cache=decode.cache.replace(
+          k=per_layer(kv, decode.cache.k), v=per_layer(kv, decode.cache.v),
+          valid=_slot_rows(decode.cache.valid)))
+    else:
+      # One pool whose pages any slot may use: heads split over `tensor`, pages whole on every
+      # batch shard (a pool per data shard, with shard-local page ids, is not built yet).
+      pool = model.init_paged_cache(num_slots, paged.num_pages, paged.page_size,
+                                    paged.max_pages(cache_length))
+      heads = lambda x: shd.constrain(x, ("kv_heads", None, None, None))
+      pool = pool.replace(k=per_layer(heads, pool.k), v=per_layer(heads, pool.v))
+      decode = sl.empty_decode_state(model, num_slots, 1).replace(cache=pool)
     zn = jnp.zeros((num_slots,), jnp.int32)
     slots = Slots(decode=decode, live=_slot_rows(zn.astype(bool)), owner=_slot_rows(zn - 1),
                   count=_slot_rows(zn), budget=_slot_rows(zn))
     zq = jnp.zeros((queue_size,), jnp.int32)
-    # Queue rows are whole on every device (any slot may take any queued prompt, so admission
-    # copies rows without collectives) but KV heads split over `tensor` as the slots' do:
-    # left to XLA, the queue came out fully replicated (16 GiB per chip for the 32B config).
-    heads = lambda x: shd.constrain(x, (None, "kv_heads", None, None))
-    qcache = model.init_cache(queue_size, prompt_length)
-    qcache = qcache.replace(k=per_layer(heads, qcache.k), v=per_layer(heads, qcache.v))
-    queue = Queue(cache=qcache,
+    if paged is None:
+      # Queue rows are whole on every device (any slot may take any queued prompt, so
+      # admission copies rows without collectives) but KV heads split over `tensor` as the
+      # slots' do: left to XLA, the queue came out fully replicated (16 GiB per chip for the
+      # 32B config).
+      heads = lambda x: shd.constrain(x, (None, "kv_heads", None, None))
+      qcache = model.init_cache(queue_size, prompt_length)
+      qcache, pages = qcache.replace(k=per_layer(heads, qcache.k),
+                                     v=per_layer(heads, qcache.v)), None
+    else:
+      qcache, pages = None, jnp.full((queue_size, paged.max_pages(cache_length)), -1, jnp.int32)
+    queue = Queue(cache=qcache, pages=pages,
                   hidden=jnp.zeros((queue_size, model.config.hidden_size),
                                    model.config.jnp_dtype),
                   position=zq, key_id=zq, seq=zq + EMPTY_SEQ,
-                  budget=jnp.zeros((queue_size, num_samples), jnp.int32), placed=zq + num_samples)
-  return Engine(queue=queue, slots=slots)
+                  budget=jnp.zeros((queue_size, num_samples), jnp.int32),
+                  waiting=jnp.zeros((queue_size, num_samples), bool))
+  return Engine(queue=queue, slots=slots, lost=jnp.zeros((), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("engine",))
 def enqueue_program(state, engine: Engine, tokens_MxP, true_length_M, key_id_M, seq_M,
                     budget_MxG, entry_M, *, graphdef, mesh: Mesh | None) -> Engine:
-  """Prefills M right-padded prompts into queue entries `entry_M` (Q = padding, dropped)."""
+  """Prefills M right-padded prompts into queue entries `entry_M` (Q = padding, dropped); the
+  samples with a budget > 0 wait for slots (a re-queued preempted sample: only its own)."""
   TRACES.record("enqueue")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     cache, h_MxD, position_M = sl.prefill_hidden(nnx.merge(graphdef, state), tokens_MxP,
                                                  true_length_M)
-  q = engine.queue
+  q, d, lost = engine.queue, engine.slots.decode, engine.lost
   put = lambda dst, src: dst.at[entry_M].set(src.astype(dst.dtype), mode="drop")
-  queue = Queue(cache=q.cache.insert(cache, entry_M), hidden=put(q.hidden, h_MxD),
+  if q.pages is None:
+    qcache, pages = q.cache.insert(cache, entry_M), None
+  else:  # the prompt's pages, written once; a prompt the pool cannot take is counted, loudly
+    real_M = entry_M < q.seq.shape[0]
+    pool, pages_MxM, ok_M = paged_kv.alloc_prompts(d.cache, position_M, real_M)
+    pool = paged_kv.write_prompts(pool, pages_MxM, cache.k, cache.v, position_M)
+    lost = lost + (real_M & ~ok_M).sum(dtype=jnp.int32)
+    entry_M = jnp.where(ok_M, entry_M, q.seq.shape[0])
+    d = d.replace(cache=pool)
+    qcache, pages = None, put(q.pages, pages_MxM)
+  queue = Queue(cache=qcache, pages=pages, hidden=put(q.hidden, h_MxD),
                 position=put(q.position, position_M), key_id=put(q.key_id, key_id_M),
                 seq=put(q.seq, seq_M), budget=put(q.budget, budget_MxG),
-                placed=put(q.placed, jnp.zeros_like(entry_M)))
-  return engine.replace(queue=queue)
+                waiting=put(q.waiting, budget_MxG > 0))
+  return Engine(queue=queue, slots=engine.slots.replace(decode=d), lost=lost)
 
 
 @flax.struct.dataclass
@@ -151,34 +208,38 @@ class _Admission:
   owner: jax.Array  # [A] int32
   budget: jax.Array  # [A] int32
   count: jax.Array  # [] int32 samples placed (the first `count` entries)
-  placed: jax.Array  # [Q] int32 the queue's `placed` after this admission
+  waiting: jax.Array  # [Q, G] the queue's `waiting` after this admission
 
 
 def _no_admission(engine: Engine, pad_to: int) -> _Admission:
   n, z = engine.slots.live.shape[0], jnp.zeros((pad_to,), jnp.int32)
   return _Admission(slot=z + n, entry=z, token=z, logprob=z.astype(jnp.float32), position=z,
                     key=jnp.zeros((pad_to, 2), jnp.uint32), owner=z - 1, budget=z,
-                    count=jnp.zeros((), jnp.int32), placed=engine.queue.placed)
+                    count=jnp.zeros((), jnp.int32), waiting=engine.queue.waiting)
 
 
 def _choose(model, engine: Engine, base_key_data, params: SamplingParams, max_admit: int,
-            pad_to: int) -> _Admission:
-  """Up to `max_admit` queued samples, oldest prompt first, for the free slots; their first
-  tokens sampled from the prompts' hidden states."""
+            pad_to: int, limit: jax.Array) -> _Admission:
+  """Up to `max_admit` (and `limit`) waiting samples, oldest prompt first, each prompt's in
+  sample order, for the free slots; their first tokens sampled from the prompts' hidden states."""
   q, s = engine.queue, engine.slots
-  g, n = q.budget.shape[1], s.live.shape[0]
+  (nq, g), n = q.budget.shape, s.live.shape[0]
   free_N = ~s.live
   order_Q = jnp.argsort(q.seq)  # first come, first served
-  left_Q = (g - q.placed)[order_Q]
+  left_Q = q.waiting.sum(1, dtype=jnp.int32)[order_Q]
   end_Q = jnp.cumsum(left_Q)
   r_A = jnp.arange(max_admit)
-  count = jnp.minimum(jnp.minimum(end_Q[-1], free_N.sum()), max_admit).astype(jnp.int32)
+  count = jnp.minimum(jnp.minimum(end_Q[-1], free_N.sum()),
+                      jnp.minimum(max_admit, limit)).astype(jnp.int32)
   ok_A = r_A < count
   # The r-th free slot takes the r-th waiting sample.
   slot_A = jnp.where(ok_A, jnp.nonzero(free_N, size=max_admit, fill_value=n)[0], n)
   j_A = jnp.minimum(jnp.searchsorted(end_Q, r_A, side="right"), end_Q.shape[0] - 1)
   entry_A = order_Q[j_A]
-  sample_A = q.placed[entry_A] + r_A - (end_Q[j_A] - left_Q[j_A])
+  rank_A = r_A - (end_Q[j_A] - left_Q[j_A])  # among the entry's waiting samples
+  w_AxG = q.waiting[entry_A]
+  sample_A = jnp.argmax(w_AxG & (jnp.cumsum(w_AxG, axis=1) - 1 == rank_A[:, None]),
+                        axis=1).astype(jnp.int32)
   keys_Ax2 = request_keys(base_key_data, jnp.stack([q.key_id[entry_A], sample_A], -1))
   position_A = q.position[entry_A]
   token_A, logprob_A = sl.sample_first(model, q.hidden[entry_A], position_A, keys_Ax2, params)
@@ -187,18 +248,28 @@ def _choose(model, engine: Engine, base_key_data, params: SamplingParams, max_ad
   return _Admission(slot=pad(slot_A, n), entry=pad(entry_A, 0), token=pad(token_A, 0),
                     logprob=pad(logprob_A, 0), position=pad(position_A, 0),
                     key=pad(keys_Ax2, 0), owner=pad(q.seq[entry_A] * g + sample_A, -1),
-                    budget=pad(q.budget[entry_A, jnp.minimum(sample_A, g - 1)], 0), count=count,
-                    placed=q.placed.at[entry_A].add(ok_A.astype(jnp.int32)))
+                    budget=pad(q.budget[entry_A, sample_A], 0), count=count,
+                    waiting=q.waiting.at[jnp.where(ok_A, entry_A, nq), sample_A].set(
+                        False, mode="drop"))
 
 
 def _place(engine: Engine, adm: _Admission) -> Engine:
-  """Writes an admission into its slots. The prompts' cache rows are copied one by one by a
-  loop of `count` in-place row copies (none on the usual step), never the whole cache."""
+  """Writes an admission into its slots. Dense: the prompts' cache rows are copied one by one
+  by a loop of `count` in-place row copies (none on the usual step), never the whole cache.
+  Paged: the slots' page tables point at the prompts' pages (no KV is copied), and a prompt
+  whose last waiting sample was placed drops the queue's hold on its pages."""
   q, s = engine.queue, engine.slots
   d = s.decode
-  cache = jax.lax.fori_loop(
-      0, adm.count, lambda i, c: c.copy_row(q.cache, adm.entry[i], adm.slot[i], adm.position[i]),
-      d.cache)
+  if q.pages is None:
+    cache = jax.lax.fori_loop(
+        0, adm.count,
+        lambda i, c: c.copy_row(q.cache, adm.entry[i], adm.slot[i], adm.position[i]), d.cache)
+    q = q.replace(waiting=adm.waiting)
+  else:
+    cache = paged_kv.attach(d.cache, adm.slot, q.pages[adm.entry], adm.position)
+    emptied_Q = q.waiting.any(1) & ~adm.waiting.any(1)
+    cache = paged_kv.release(cache, jnp.where(emptied_Q[:, None], q.pages, -1))
+    q = q.replace(waiting=adm.waiting, pages=jnp.where(emptied_Q[:, None], -1, q.pages))
   put = lambda dst, src: dst.at[adm.slot].set(src.astype(dst.dtype), mode="drop")
   zeros = jnp.zeros_like(adm.slot)
   decode = d.replace(cache=cache, token=put(d.token, adm.token),
@@ -206,7 +277,29 @@ def _place(engine: Engine, adm: _Admission) -> Engine:
                      length=put(d.length, zeros), key=put(d.key, adm.key))
   slots = Slots(decode=decode, live=put(s.live, zeros == 0), owner=put(s.owner, adm.owner),
                 count=put(s.count, zeros), budget=put(s.budget, adm.budget))
-  return Engine(queue=q.replace(placed=adm.placed), slots=slots)
+  return engine.replace(queue=q, slots=slots)
+
+
+def _decode(model, s: Slots, params: SamplingParams, paged: PagedSpec | None):
+  """One decode step over every slot: the state, the fed tokens, their log-probs, which slots
+  emit (stored their token) and which found no page."""
+  if paged is None:
+    decode, fed_N, lp_N, _ = sl.decode_step(model, s.decode, params)
+    return decode, fed_N, lp_N, s.live, jnp.zeros_like(s.live)
+  decode, fed_N, lp_N, ok_N, short_N = sl.decode_step_paged(model, s.decode, s.live, params,
+                                                            paged.impl)
+  return decode, fed_N, lp_N, s.live & ok_N, s.live & short_N
+
+
+def _preempt(s: Slots, decode: sl.DecodeState, live_N: jax.Array, short_N: jax.Array):
+  """When a slot found no page, the youngest live sample (largest owner) gives back its pages
+  and leaves (the host re-queues it). Returns the decode state, live slots and its owner (-1)."""
+  n = live_N.shape[0]
+  victim = jnp.argmax(jnp.where(live_N, s.owner, -1))
+  victim_N = jnp.any(short_N) & live_N & (jnp.arange(n) == victim)
+  owner = jnp.where(jnp.any(victim_N), s.owner[victim], -1)
+  return decode.replace(cache=paged_kv.free_slots(decode.cache, victim_N)), live_N & ~victim_N, \
+      owner
 
 
 @flax.struct.dataclass
@@ -214,21 +307,22 @@ class _Carry:
   step: jax.Array
   engine: Engine
   out: ChunkOut
+  short: jax.Array  # [] bool a slot found no page at the last step: admit nothing now
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("chunk_steps", "max_admit"),
+@functools.partial(jax.jit, static_argnames=_STATIC + ("chunk_steps", "max_admit", "paged"),
                    donate_argnames=("engine",))
 def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphdef,
-                  params: SamplingParams, mesh: Mesh | None, chunk_steps: int, max_admit: int
-                  ) -> tuple[Engine, ChunkOut]:
+                  params: SamplingParams, mesh: Mesh | None, chunk_steps: int, max_admit: int,
+                  paged: PagedSpec | None = None) -> tuple[Engine, ChunkOut]:
   """Up to `chunk_steps` steps of admit + decode; see the module docstring for when it stops."""
   TRACES.record("chunk")
-  n, g = engine.slots.live.shape[0], engine.queue.budget.shape[1]
+  n = engine.slots.live.shape[0]
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     model = nnx.merge(graphdef, state)
 
     def queued(e: Engine) -> jax.Array:
-      return (g - e.queue.placed).sum()
+      return e.queue.waiting.sum(dtype=jnp.int32)
 
     def cond(c: _Carry) -> jax.Array:
       waiting, live = queued(c.engine), c.engine.slots.live
@@ -241,32 +335,50 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
       # slot or two free, takes a small variant. The switch returns small arrays only: a
       # branch returning the engine made XLA copy the whole KV cache twice per step.
       can = jnp.minimum((~e.slots.live).sum(), queued(e))
+      limit = jnp.asarray(n, jnp.int32)
+      if paged is not None:  # a free page per live slot stays in reserve
+        limit = jnp.where(c.short, 0, jnp.maximum(
+            e.slots.decode.cache.free_pages() - e.slots.live.sum(dtype=jnp.int32), 0))
+        can = jnp.minimum(can, limit)
       sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
       branches = [functools.partial(_no_admission, pad_to=max_admit)] + [
           functools.partial(_choose, model, base_key_data=base_key_data, params=params,
-                            max_admit=a, pad_to=max_admit) for a in sizes]
+                            max_admit=a, pad_to=max_admit, limit=limit) for a in sizes]
       adm = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
                            branches, e)
       e = _place(e, adm)
       s = e.slots
-      decode, fed_N, lp_N, _ = sl.decode_step(model, s.decode, params)
-      count_N = s.count + s.live
-      done_N = s.live & (is_stop(fed_N, params.eos_ids) | (count_N >= s.budget))
-      put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
+      decode, fed_N, lp_N, emit_N, short_N = _decode(model, s, params, paged)
+      count_N = s.count + emit_N
+      done_N = emit_N & (is_stop(fed_N, params.eos_ids) | (count_N >= s.budget))
+      live_N = s.live & ~done_N
       o = c.out
+      if paged is not None:
+        decode = decode.replace(cache=paged_kv.free_slots(decode.cache, done_N))
+        decode, live_N, victim = _preempt(s, decode, live_N, short_N)
+        o = o.replace(preempted_K=o.preempted_K.at[c.step].set(victim),
+                      stalls=o.stalls + short_N.sum(dtype=jnp.int32))
+      put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
       out = o.replace(tokens_KxN=put(o.tokens_KxN, fed_N),
-                      logprobs_KxN=put(o.logprobs_KxN, jnp.where(s.live, lp_N, 0.0)),
-                      owner_KxN=put(o.owner_KxN, jnp.where(s.live, s.owner, -1)),
+                      logprobs_KxN=put(o.logprobs_KxN, jnp.where(emit_N, lp_N, 0.0)),
+                      owner_KxN=put(o.owner_KxN, jnp.where(emit_N, s.owner, -1)),
                       done_KxN=put(o.done_KxN, done_N))
-      slots = s.replace(decode=decode, live=s.live & ~done_N, count=count_N)
-      return _Carry(step=c.step + 1, engine=e.replace(slots=slots), out=out)
+      slots = s.replace(decode=decode, live=live_N, count=count_N)
+      return _Carry(step=c.step + 1, engine=e.replace(slots=slots), out=out,
+                    short=jnp.any(short_N))
 
     full = lambda v, dtype: jnp.full((chunk_steps, n), v, dtype)
+    zero = jnp.zeros((), jnp.int32)
     out = ChunkOut(tokens_KxN=full(0, jnp.int32), logprobs_KxN=full(0.0, jnp.float32),
-                   owner_KxN=full(-1, jnp.int32), done_KxN=full(False, bool),
-                   steps=jnp.zeros((), jnp.int32), queued=engine.queue.placed)
-    last = jax.lax.while_loop(cond, body, _Carry(step=jnp.zeros((), jnp.int32), engine=engine,
-                                                 out=out))
-    out = last.out.replace(steps=last.step, queued=g - last.engine.queue.placed)
+                   owner_KxN=full(-1, jnp.int32), done_KxN=full(False, bool), steps=zero,
+                   queued=engine.queue.waiting.sum(1, dtype=jnp.int32),
+                   preempted_K=jnp.full((chunk_steps,), -1, jnp.int32), stalls=zero,
+                   free_pages=zero - 1, lost=engine.lost)
+    last = jax.lax.while_loop(cond, body, _Carry(step=zero, engine=engine, out=out,
+                                                 short=jnp.zeros((), bool)))
+    e = last.engine
+    free = e.slots.decode.cache.free_pages() if paged is not None else zero - 1
+    out = last.out.replace(steps=last.step, queued=e.queue.waiting.sum(1, dtype=jnp.int32),
+                           free_pages=free, lost=e.lost)
     out = jax.tree.map(_replicated, out)
   return last.engine, out

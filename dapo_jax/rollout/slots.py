@@ -9,6 +9,8 @@ prefilled prompts, P prompt slots, N decode slots, S cache slots, V vocab.
   prefilled row.
 * `insert_rows`: prefixes copied into free slots of a `DecodeState`.
 * `decode_step`: every slot's pending token through `model.decode_step`, the next one sampled.
+* `decode_step_paged`: the same over a paged cache (`models/paged_kv.py`) for the active slots;
+  a slot the pool had no page for stays where it was.
 
 Token at absolute position q of a request is drawn with fold_in(request_key, q) (see
 `sampling.sample_rows`).
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dapo_jax.models.kv_cache import KVCache
+from dapo_jax.models.paged_kv import PagedKVCache
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams, sample_rows
 
@@ -50,7 +53,7 @@ class Prefix:
 @flax.struct.dataclass
 class DecodeState:
   """N decode slots. `token` is sampled but not yet fed; `decode_step` feeds and emits it."""
-  cache: KVCache  # [N, S]
+  cache: KVCache | PagedKVCache  # [N, S] rows, or a page pool with N page tables
   token: jax.Array  # [N] int32
   logprob: jax.Array  # [N] fp32
   position: jax.Array  # [N] int32 position of `token`
@@ -123,6 +126,27 @@ def decode_step(model: Qwen2ForCausalLM, state: DecodeState, sampling: SamplingP
   new = DecodeState(cache=cache, token=token_N, logprob=logprob_N, position=next_pos_N,
                     length=state.length + 1, key=state.key)
   return new, state.token, state.logprob, valid_N
+
+
+def decode_step_paged(model: Qwen2ForCausalLM, state: DecodeState, active_N: jax.Array,
+                      sampling: SamplingParams, impl: str = "auto"
+                      ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`decode_step` for the `active_N` slots of a paged state.
+
+  Returns the state, the fed tokens and their log-probs, `ok_N` (the token was stored and its
+  successor sampled: emit it) and `out_of_pages_N` (active, but the pool had no page: the slot
+  is unchanged and must be retried or preempted). Inactive slots are unchanged.
+  """
+  logits_NxV, cache, app = model.decode_step_paged(state.token, state.position, state.cache,
+                                                   active_N, impl=impl)
+  next_pos_N = state.position + 1
+  token_N, logprob_N = sample_rows(logits_NxV, state.key, next_pos_N, sampling)
+  keep = lambda new, old: jnp.where(app.ok, new, old)
+  new = DecodeState(cache=cache, token=keep(token_N, state.token),
+                    logprob=keep(logprob_N, state.logprob), position=keep(next_pos_N,
+                                                                           state.position),
+                    length=state.length + app.ok, key=state.key)
+  return new, state.token, state.logprob, app.ok, app.out_of_pages
 
 
 def empty_decode_state(model: Qwen2ForCausalLM, num_slots: int, cache_length: int
