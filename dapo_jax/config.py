@@ -15,6 +15,7 @@ import ml_collections
 from dapo_jax import batch_rules
 from dapo_jax.console_log import CONSOLE_MODES
 from dapo_jax.logging_writers import WANDB_MODES
+from dapo_jax.models import lora
 from dapo_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, Qwen2Config
 from dapo_jax.models.paged_attention import PAGED_IMPLS
 from dapo_jax.models.paged_kv import KV_CACHES
@@ -50,6 +51,10 @@ def default_config() -> ml_collections.ConfigDict:
   # depth (README "Scanned layers"). Orbax checkpoints differ by layout; HF exports do not.
   c.model.scan_layers = True
   c.model.overrides = ml_collections.ConfigDict()  # extra Qwen2Config fields (tiny models)
+  # Low-rank adapters (models/lora.py, docs/lora.md): rank 0 trains every parameter (the paper).
+  c.model.lora = ml_collections.ConfigDict(dict(
+      rank=0, alpha=16.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+      quantize_base="none"))
 
   c.tokenizer = ml_collections.ConfigDict()
   c.tokenizer.kind = "auto"  # auto: the checkpoint's own files, else the offline Qwen2.5 BPE
@@ -360,6 +365,10 @@ def _check_model(m: ml_collections.ConfigDict, bad) -> None:
     bad("model.remat", m.remat, f"choose one of {REMAT_POLICIES}")
   if m.attention_impl not in ATTENTION_IMPLS:
     bad("model.attention_impl", m.attention_impl, f"choose one of {ATTENTION_IMPLS}")
+  if m.get("lora"):
+    why = lora.validate(lora.LoRAConfig.from_config(m.lora))
+    if why:
+      raise ConfigError(f"config.model.lora.{why}")
   if not m.checkpoint and m.preset.lower() not in PRESETS:
     close = difflib.get_close_matches(m.preset.lower(), list(PRESETS), n=1)
     bad("model.preset", m.preset, f"not a preset{f'; did you mean {close[0]!r}' if close else ''}"

@@ -36,13 +36,43 @@ def _define(fv) -> None:
                        flag_values=fv)
   flags.DEFINE_string("out", None, "Output directory (local or gs://).", flag_values=fv)
   flags.DEFINE_integer("max_shard_gib", 2, "Largest safetensors file, GiB.", flag_values=fv)
+  flags.DEFINE_bool("peft", False, "A model.lora run: write its adapters as a peft adapter "
+                    "directory (adapter_config.json + adapter_model.safetensors) instead of the "
+                    "merged weights.", flag_values=fv)
   flags.mark_flags_as_required(["workdir", "out"], flag_values=fv)
+
+
+def export_peft(config, workdir: str, out: str, *, step: int | None = None) -> int:
+  """Writes a LoRA run's adapters (``step``, default the newest readable) to ``out`` as a peft
+  adapter directory; returns the step written."""
+  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints import peft_adapter  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import abstract_model, lora  # pylint: disable=g-import-not-at-top
+  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  if not lcfg.rank:
+    raise ValueError(f"--peft: {workdir} trained every parameter (model.lora.rank=0), so it has "
+                     "no adapters; export it without --peft.")
+  tokenizer = run_setup.build_tokenizer(config)
+  model = abstract_model(run_setup.model_config(config, tokenizer))
+  adapters, step = policy_lib.restore_adapters(config, model, workdir, step)
+  stage = out if "://" not in out else tempfile.mkdtemp(prefix="dapo_export_")
+  try:
+    if jax.process_index() == 0:
+      peft_adapter.save_peft_adapter(adapters, lcfg, stage, base_model=config.model.checkpoint)
+      if stage != out:
+        epath.Path(out).mkdir(parents=True, exist_ok=True)
+        for name in sorted(os.listdir(stage)):
+          epath.Path(stage, name).copy(epath.Path(out) / name, overwrite=True)
+  finally:
+    if stage != out:
+      shutil.rmtree(stage, ignore_errors=True)
+  return step
 
 
 def export(config, workdir: str, out: str, *, step: int | None = None,
            max_shard_bytes: int = 2 << 30) -> int:
   """Writes ``workdir``'s checkpoint (``step``, default the newest readable) to ``out`` as HF
-  files; returns the step written."""
+  files; returns the step written. A model.lora run's adapters are merged into its base."""
   policy = policy_lib.load_policy(config, workdir=workdir, step=step,
                                   mesh=policy_lib.sampling_mesh(config))
   dest = epath.Path(out)
@@ -76,7 +106,11 @@ def main(argv: Sequence[str]) -> str:
   from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   workdir, out = cli.expand(fv.workdir), cli.expand(fv.out)
-  step = export(fv.config, workdir, out, step=fv.step, max_shard_bytes=fv.max_shard_gib << 30)
+  if fv.peft:
+    step = export_peft(fv.config, workdir, out, step=fv.step)
+  else:
+    step = export(fv.config, workdir, out, step=fv.step,
+                  max_shard_bytes=fv.max_shard_gib << 30)
   if jax.process_index() == 0:
     print(f"dapo-export: wrote step {step} of {workdir} "
           f"({policy_lib.checkpoint_dir(workdir) / str(step)}) to {out} "

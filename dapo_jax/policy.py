@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from dapo_jax import run_files
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
-from dapo_jax.models import abstract_model
+from dapo_jax.models import abstract_model, create_model, lora
 
 
 class Policy(NamedTuple):
@@ -61,6 +61,8 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
   tokenizer = run_setup.build_tokenizer(config)
   m = config.model
+  if workdir and lora.LoRAConfig.from_config(m.get("lora")).rank:
+    return _lora_policy(config, tokenizer, workdir, step, mesh, rules)
   if workdir:
     mcfg = run_setup.model_config(config, tokenizer)
     graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
@@ -76,6 +78,47 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
                           **run_setup.model_runtime(config))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return Policy(graphdef, params, rest, tokenizer, mesh)
+
+
+def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step: int | None,
+               mesh: Mesh | None, rules: shd.Rules = shd.SAMPLE_RULES):
+  """A LoRA run's pieces: ``(graphdef, base params, rest, adapters (fp32), step)``; the base as
+  the run built it (``model.checkpoint``, else the preset at ``config.seed``), the adapters from
+  ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
+  from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
+  m = config.model
+  if m.checkpoint:
+    model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
+                            **run_setup.model_runtime(config))
+  else:
+    model = create_model(run_setup.model_config(config, tokenizer), seed=config.seed, mesh=mesh,
+                         rules=rules)
+  graphdef, base, rest = nnx.split(model, nnx.Param, ...)
+  adapters, step = restore_adapters(config, model, workdir, step, mesh, rules)
+  return graphdef, base, rest, adapters, step
+
+
+def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, step: int | None,
+                     mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES):
+  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (its base: concrete
+  or abstract), which gets the run's adapters attached."""
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  lora.add_adapters(model, lora.LoRAConfig.from_config(config.model.lora), mesh=None)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32),
+                          nnx.state(model, lora.Adapter))
+  restored = orbax_ckpt.restore_params_only(checkpoint_dir(workdir), step,
+                                            abstract_params=_targets(abstract, mesh, rules))
+  return restored.params, restored.step
+
+
+def _lora_policy(config, tokenizer, workdir, step, mesh, rules) -> Policy:
+  """The merged weights (``W + alpha / rank * A @ B``) of a LoRA run's checkpoint."""
+  graphdef, base, rest, adapters, step = lora_parts(config, tokenizer, workdir, step, mesh, rules)
+  scale = lora.LoRAConfig.from_config(config.model.lora).scale
+  out = None if mesh is None else shd.state_shardings(base, mesh, rules)
+  merged = jax.jit(lambda a, b: lora.merge_adapters(b, a, scale), out_shardings=out)(adapters,
+                                                                                   base)
+  return Policy(graphdef, merged, rest, tokenizer, mesh, step)
 
 
 def _targets(abstract: nnx.State, mesh: Mesh | None, rules: shd.Rules) -> nnx.State:

@@ -25,11 +25,11 @@ from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.data.records import MathRecord
 from dapo_jax.dynamic_sampling import DynamicSampler
 from dapo_jax.generation import Generator
-from dapo_jax.models import Qwen2Config, attention, create_model, get_preset
+from dapo_jax.models import Qwen2Config, attention, create_model, get_preset, lora
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout, make_stream_opener
 from dapo_jax.rollout.sampling import SamplingParams
-from dapo_jax.rollout.weights import RolloutWeights
+from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
 from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
 from dapo_jax.trajectories import ScoredGroup
 from dapo_jax.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
@@ -202,9 +202,14 @@ def reference_policy(config: ml_collections.ConfigDict, workdir, state: TrainSta
   warm start), in the model's parameter dtype; None, and nothing built, when
   ``algorithm.use_kl_loss`` is off. A fresh run writes it to ``<workdir>/reference``; a resumed
   run reads it back from there (the start weights are not in the step checkpoints).
+
+  A LoRA run's reference is the base without adapters: zero adapters over the same frozen base
+  (B = 0 adds exactly nothing), so no second copy of the weights exists or is written.
   """
   if not config.algorithm.use_kl_loss:
     return None
+  if lora.has_adapters(state.params):
+    return jax.tree.map(jnp.zeros_like, state.params)
   dtype = jnp.dtype(config.model.param_dtype)
   cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
   path = run_files.resolve(workdir) / REFERENCE_DIR
@@ -260,11 +265,16 @@ class Run:
   scorer: RewardScorer
   generator: Generator  # the training rollout: generate_and_score at rollout.* settings
   sampler: DynamicSampler
+  # LoRA: the frozen base's source and fingerprint, saved with every checkpoint; None: no LoRA.
+  lora_base: dict[str, Any] | None = None
 
   def fresh_optimizer(self, state: TrainState) -> TrainState:
     """``state``'s weights with a new optimizer state (DAPO after the SFT warm start)."""
     model = nnx.merge(self.graphdef, state.params, state.rest)
-    return commit(init_train_state(model, self.train_config, self.mesh)[1], self.mesh)
+    state = commit(init_train_state(model, self.train_config, self.mesh)[1], self.mesh)
+    if isinstance(self.to_rollout, MergedRolloutWeights):
+      self.to_rollout.base = state.rest
+    return state
 
   def close(self) -> None:
     try:
@@ -291,14 +301,21 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
     _log.warning(fallback)
   train_records = load_dataset(config.data.train, config, "train")
   eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
-  sampler_graphdef, _ = nnx.split(model)
+  sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(config, mesh)
   rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
-  to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
+  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  if lcfg.rank:
+    lora.add_adapters(model, lcfg, seed=config.seed, mesh=mesh)
+    to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
+  else:
+    to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
   tcfg = train_config(config)
   graphdef, state = init_train_state(model, tcfg, mesh)
   state = commit(state, mesh)
+  if lcfg.rank:
+    to_rollout.base = state.rest
   del model
   iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
                             num_epochs=config.data.num_epochs or None,
@@ -330,5 +347,32 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
             train_config=tcfg, graphdef=graphdef,
             step_fn=TrainStep(graphdef, tcfg, mesh),
             logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
-            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler)
+            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler,
+            lora_base=lora_base(config, state) if lcfg.rank else None)
   return run, state
+
+
+def lora_base(config: ml_collections.ConfigDict, state: TrainState) -> dict[str, Any]:
+  """Where a LoRA run's frozen base comes from and the fingerprint of its weights."""
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  m = config.model
+  source = m.checkpoint or f"preset {m.preset} (random init, seed {config.seed})"
+  return {"source": source, **orbax_ckpt.fingerprint_record(state.rest)}
+
+
+def check_lora_base(run: Run, meta: dict[str, Any]) -> None:
+  """Refuses, in one line, adapters restored onto a base other than the one they trained on
+  (or a LoRA checkpoint restored without LoRA, and the reverse)."""
+  saved, have = meta.get("lora_base"), run.lora_base
+  if saved is None and have is None:
+    return
+  where = f"{run.checkpointer.directory} step {meta['step']}"
+  if saved is None or have is None:
+    raise ValueError(f"{where} was written {'without' if saved is None else 'with'} "
+                     f"model.lora, and this launch has it {'on' if saved is None else 'off'}: "
+                     "relaunch with the run's model.lora settings or start a new workdir.")
+  if (saved["fingerprint"], saved["signature"]) != (have["fingerprint"], have["signature"]):
+    raise ValueError(f"{where} holds LoRA adapters of the base {saved['source']} (fingerprint "
+                     f"{saved['fingerprint']}), not of this launch's {have['source']} "
+                     f"(fingerprint {have['fingerprint']}): relaunch with that base or start a "
+                     "new workdir.")

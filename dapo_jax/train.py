@@ -205,6 +205,7 @@ def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bo
   if restored is None:
     return state, 0, False
   params, opt_state, meta = restored
+  run_setup.check_lora_base(run, meta)
   state = state.replace(params=params, opt_state=opt_state,
                             step=jnp.asarray(meta["update_step"], jnp.int32),
                             num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
@@ -403,4 +404,6 @@ def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False)
   """Params, optimizer state and the JSON meta a resumed run continues from."""
   meta = {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
           "iterator": run.iterator.get_state(), "sampler": run.sampler.state_dict()}
+  if run.lora_base is not None:  # the base a LoRA run's adapters belong to
+    meta["lora_base"] = run.lora_base
   run.checkpointer.save(step, state.params, state.opt_state, meta, force=force)

@@ -31,6 +31,7 @@ from dapo_jax import sharding as shd
 from dapo_jax.logprobs import (forward_log_probs, forward_with_reference, response_log_probs,
                                split_micro)
 from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests use ts.cast_params)
+from dapo_jax.models import lora
 from dapo_jax.tracing import TraceCounter
 
 
@@ -98,8 +99,10 @@ class TrainConfig:
 @flax.struct.dataclass
 class TrainState:
   """Everything an update changes; donated to the compiled step."""
-  params: nnx.State  # the nnx.Param variables (the only trained state)
-  rest: nnx.State  # any other model state, passed through unchanged
+  # The trained variables: every nnx.Param, or with LoRA (models/lora.py) the adapters alone.
+  params: nnx.State
+  # Everything else, passed through unchanged and never donated: with LoRA the frozen base.
+  rest: nnx.State
   opt_state: optax.OptState
   step: jax.Array  # int32: updates attempted (applied = step - num_skipped)
   num_skipped: jax.Array  # int32: updates skipped for non-finite values
@@ -163,9 +166,11 @@ def init_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = No
   them: do not use `model` after the first step; `nnx.merge(graphdef,
   state.params, state.rest)` is the current model. Params of a lower precision
   than `cfg.master_dtype` are copied up to it (fp32 master weights of a bf16
-  model); the forward still computes in the model's `dtype`.
+  model); the forward still computes in the model's `dtype`. A model with LoRA adapters
+  trains them alone: `params` holds the adapters, `rest` the frozen base in its own dtype.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  trained = lora.Adapter if lora.has_adapters(model) else nnx.Param
+  graphdef, params, rest = nnx.split(model, trained, ...)
   if any(_below_master(x, cfg) for x in jax.tree.leaves(params)):
     cast = functools.partial(master_params, cfg=cfg)
     out = None if mesh is None else shd.state_shardings(jax.eval_shape(cast, params), mesh, rules)
@@ -365,7 +370,8 @@ class _Compiled:
 
 
 class TrainStep(_Compiled):
-  """`step(state, batch, rollout_step) -> (state, metrics)`; `state` is donated."""
+  """`step(state, batch, rollout_step) -> (state, metrics)`; `state` is donated but for
+  `state.rest` (a LoRA run's frozen base), which the step reads and hands back as it was."""
 
   def __init__(self, graphdef: nnx.GraphDef, cfg: TrainConfig, mesh: Mesh | None = None,
                rules: shd.Rules = shd.TRAIN_RULES):
@@ -376,23 +382,27 @@ class TrainStep(_Compiled):
     """The jitted function for this state / batch structure (`.lower()` it for AOT)."""
     key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
     if key not in self._jits:
-      fn = functools.partial(train_step, self.graphdef, self.cfg)
+      def fn(donated, rest, batch, rollout_step, param_shardings=None):
+        new, metrics = train_step(self.graphdef, self.cfg, donated.replace(rest=rest), batch,
+                                  rollout_step, param_shardings)
+        return new.replace(rest=None), metrics
       if self.mesh is None:
         self._jits[key] = jax.jit(self._traced(fn), donate_argnums=0)
       else:
         state_sh = shd.state_shardings(state, self.mesh, self.rules)
         fn = functools.partial(fn, param_shardings=state_sh.params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        donated_sh = state_sh.replace(rest=None)
         self._jits[key] = jax.jit(
             self._traced(fn), donate_argnums=0,
-            in_shardings=(state_sh, self._batch_shardings(batch), replicated),
-            out_shardings=(state_sh, replicated))
+            in_shardings=(donated_sh, state_sh.rest, self._batch_shardings(batch), replicated),
+            out_shardings=(donated_sh, replicated))
     return self._jits[key]
 
   def lower(self, state: TrainState, batch: TrainBatch):
     """Ahead-of-time lowering; `state` and `batch` may hold ShapeDtypeStructs."""
     step = jax.ShapeDtypeStruct((), jnp.int32)
-    return self.jitted(state, batch).lower(state, batch, step)
+    return self.jitted(state, batch).lower(state.replace(rest=None), state.rest, batch, step)
 
   def __call__(self, state: TrainState, batch: TrainBatch, rollout_step: int | jax.Array
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -400,7 +410,9 @@ class TrainStep(_Compiled):
       # Host or differently placed batches are moved first: an argument whose
       # sharding differs from the last call would make jit trace again.
       batch = jax.device_put(batch, self._batch_shardings(batch))
-    return self.jitted(state, batch)(state, batch, jnp.asarray(rollout_step, jnp.int32))
+    new, metrics = self.jitted(state, batch)(state.replace(rest=None), state.rest, batch,
+                                             jnp.asarray(rollout_step, jnp.int32))
+    return new.replace(rest=state.rest), metrics
 
 
 class LogProbForward(_Compiled):

@@ -164,6 +164,11 @@ def _integrity_record(tree: Any) -> dict[str, Any]:
   return {"fingerprint": int(_fingerprint(tree)), "signature": _signature(tree)}
 
 
+def fingerprint_record(tree: Any) -> dict[str, Any]:
+  """``{"fingerprint", "signature"}`` of ``tree``'s bits and layout (a LoRA run's frozen base)."""
+  return _integrity_record(tree)
+
+
 def _verify(name: str, tree: Any, record: dict[str, Any] | None) -> None:
   # A different signature means the caller restored into other dtypes (a cast): nothing to compare.
   if record is None or record["signature"] != _signature(tree):

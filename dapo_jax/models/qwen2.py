@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from dapo_jax.models import attention, kv_cache, paged_attention, paged_kv
+from dapo_jax.models import attention, kv_cache, lora, paged_attention, paged_kv
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.kv_cache import KVCache
 from dapo_jax.models.paged_kv import PagedKVCache
@@ -69,6 +69,8 @@ class Dense(nnx.Module):
     y = jax.lax.dot_general(x.astype(dtype), self.kernel.value.astype(dtype), dims)
     if self.bias is not None:
       y = y + self.bias.value.astype(dtype)
+    if getattr(self, "lora_a", None) is not None:  # config.model.lora (models/lora.py)
+      y = y + lora.dense_delta(self, x, dtype)
     return y
 
 

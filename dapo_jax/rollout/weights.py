@@ -37,3 +37,26 @@ class RolloutWeights:
              shd.state_shardings(params, self.mesh, shd.SAMPLE_RULES))
       self._fn = jax.jit(cast, out_shardings=out)
     return self._fn(params)
+
+
+class MergedRolloutWeights(RolloutWeights):
+  """A LoRA run's policy as the rollout reads it: the frozen base with the trained adapters
+  merged in (``W + alpha / rank * A @ B``, models/lora.py), cast to the model's dtype and laid
+  out for the rollout, once per training step. The samplers then decode a plain model: nothing
+  adapter-specific runs per token. ``base`` is the train state's ``rest`` (the trainer keeps it
+  current: it is never donated or replaced by a step).
+  """
+
+  def __init__(self, dtype: Any, mesh: Mesh | None, scale: float, base: Any = None):
+    super().__init__(dtype, mesh)
+    self.scale, self.base = scale, base
+
+  def __call__(self, adapters):
+    if self._fn is None:
+      from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
+      def merge(adapters, base):
+        return cast_params(lora.merge_adapters(base, adapters, self.scale), self.dtype)
+      out = (None if self.mesh is None else shd.state_shardings(
+          jax.eval_shape(merge, adapters, self.base), self.mesh, shd.SAMPLE_RULES))
+      self._fn = jax.jit(merge, out_shardings=out)
+    return self._fn(adapters, self.base)
