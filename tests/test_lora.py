@@ -184,8 +184,35 @@ def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path):
   assert len(a) == len(b) == 2 * 7 * n_layers  # lora_a and lora_b of q k v o gate up down
   for x, y in zip(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  _check_policy_and_exports(cfg(2), part, b, tmp_path)
   with pytest.raises(ValueError, match="holds LoRA adapters of the base") as err:
     c = cfg(3)
     c.seed = 1  # another random base
     train_and_evaluate(c, part, allow_config_change=("seed",))
   assert "\n" not in str(err.value)
+
+
+def _check_policy_and_exports(config, workdir, adapters, tmp_path):
+  """dapo-eval / dapo-serve / dapo-export read a LoRA workdir as its merged weights."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  from dapo_jax import export  # pylint: disable=g-import-not-at-top
+  from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  pol = policy_lib.load_policy(config, workdir=workdir)
+  graphdef, base, _, restored, step = policy_lib.lora_parts(
+      config, pol.tokenizer, workdir, None, None)
+  assert pol.step == step == 2
+  for x, y in zip(jax.tree.leaves(restored), adapters):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  scale = config.model.lora.alpha / config.model.lora.rank
+  want = lora.merge_adapters(base, restored, scale)
+  jax.tree.map(np.testing.assert_array_equal, _host(pol.params), _host(want))
+  differs = [not np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(pol.params), jax.tree.leaves(base))]
+  assert sum(differs) == 7  # the 7 adapted kernels of the one layer, nothing else
+  merged, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+  export.main([f"--workdir={workdir}", f"--out={merged}"])
+  assert {"config.json", "model.safetensors"} <= set(os.listdir(merged))
+  export.main([f"--workdir={workdir}", f"--out={peft_dir}", "--peft"])
+  cfg = json.load(open(os.path.join(peft_dir, "adapter_config.json")))
+  assert (cfg["r"], cfg["lora_alpha"], len(cfg["target_modules"])) == (2, 4.0, 7)
