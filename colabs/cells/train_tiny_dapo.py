@@ -19,6 +19,9 @@ RUNS_ON = r'''
 **Where it runs:** sized for a CPU runtime (about 10 minutes on 2 cores). On a Colab TPU or GPU
 runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` so that JAX finds the
 accelerator, and the same cells run there (a 1M-parameter model gains little from it).
+`lora_rank` (parameters cell) trains low-rank adapters only, with the base frozen: on an
+accelerator runtime that is what lets a larger checkpoint fit (`model.checkpoint`); which sizes
+fit which runtime is not measured yet (docs/lora.md).
 '''
 
 CELLS = [
@@ -37,6 +40,7 @@ workdir = "workdirs/colab_tiny_cpu"  # restore_and_sample.ipynb reads this run
 num_steps = None  # DAPO rollout steps (tiny_cpu: 160)
 sft_steps = None  # supervised warm-start steps before DAPO (tiny_cpu: 600)
 overrides = {}  # e.g. {"algorithm.loss_agg_mode": "seq-mean-token-mean", "optim.lr": 3e-4}
+lora_rank = 0  # > 0: train LoRA adapters of this rank only, base frozen (docs/lora.md)
 
 if os.environ.get("DAPO_COLAB_SMOKE") == "1":
   num_steps, sft_steps = 2, 20
@@ -65,6 +69,8 @@ if num_steps is not None:
   run_overrides["num_steps"] = num_steps
 if sft_steps is not None:
   run_overrides["sft.steps"] = sft_steps
+if lora_rank:
+  run_overrides.update({"model.lora.rank": lora_rank, "model.lora.alpha": 2.0 * lora_rank})
 config = load_config(run_overrides)
 
 a = config.algorithm
