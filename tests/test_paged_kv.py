@@ -229,6 +229,65 @@ def test_reference_paged_attention_equals_dense(t, h, kh, block):
   np.testing.assert_allclose(np.asarray(out), dense, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("block", [8, 24])
+def test_reference_paged_attention_idle_and_full_slots(block):
+  """Idle slots (length 0) between live ones own no page of the flat list, a full slot all M.
+  10 live pages: blocks of 8 (one full trip, then 2 remainder trips of 1 page) and of 24 (no
+  full trip, 4 remainder trips of 3 pages, the last one part padding)."""
+  t, m = 4, 6
+  q, c, dense = _paged_problem(3, 6, 4, 2, 8, t, m, [0, 9, 0, 24, 1, 0])
+  out = np.asarray(jax.jit(functools.partial(pa.reference_paged_attention,
+                                             pages_per_block=block))(q, c.k[0], c.v[0], c.table,
+                                                                     c.length))
+  live = np.asarray(c.length) > 0
+  np.testing.assert_allclose(out[live], dense[live], atol=1e-6, rtol=1e-6)
+  assert np.isfinite(out).all()
+
+
+def test_reference_paged_attention_in_a_while_loop():
+  """As the engine calls it: inside `lax.while_loop`, lengths growing from step to step (the
+  flat list's size, so the trip counts, are loop values), against dense at every step."""
+  t, m, steps = 4, 5, 7
+  q, c, _ = _paged_problem(4, 3, 4, 2, 8, t, m, [m * t] * 3)
+  start = jnp.asarray([0, 3, 9], jnp.int32)
+
+  @jax.jit
+  def run(q, k, v, table):
+    def body(carry):
+      i, out = carry
+      length = jnp.minimum(start + 2 * i, m * t)
+      o = pa.reference_paged_attention(q, k, v, table, length, pages_per_block=2)
+      return i + 1, out.at[i].set(o)
+    return jax.lax.while_loop(lambda c: c[0] < steps, body,
+                              (jnp.int32(0), jnp.zeros((steps,) + q.shape)))[1]
+
+  out = np.asarray(run(q, c.k[0], c.v[0], c.table))
+  for i in range(steps):
+    length = np.minimum(np.asarray(start) + 2 * i, m * t)
+    cache = c.replace(length=jnp.asarray(length))
+    dense = np.asarray(attention.decode_attention(q, *pkv.gather_dense(cache, 0)))
+    live = length > 0
+    np.testing.assert_allclose(out[i][live], dense[live], atol=1e-6, rtol=1e-6)
+
+
+def test_reference_paged_attention_memory_does_not_grow_with_capacity():
+  """The compiled reference's temporaries are the same for 8 and 512 pages per slot: nothing
+  of slots x capacity (e.g. a relayout of the whole pool) is materialised."""
+  n, h, kh, e, t = 4, 4, 2, 8, 4
+
+  def temp_bytes(m):
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    fn = jax.jit(functools.partial(pa.reference_paged_attention, pages_per_block=4))
+    compiled = fn.lower(f32(n, h, e), f32(kh, n * m, t, e), f32(kh, n * m, t, e),
+                        jax.ShapeDtypeStruct((n, m), jnp.int32),
+                        jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(8), temp_bytes(512)
+  assert large == small, (small, large)
+  assert large < n * 512 * t * e * 4  # below one [N, S, E] fp32 operand at capacity 2048
+
+
 def _bf16_exact(x):
   return x.astype(jnp.bfloat16).astype(jnp.float32)
 

@@ -7,11 +7,14 @@ One query token per slot over the first ``length[n]`` tokens of the pages ``tabl
 scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_attention`).
 ``impl``:
 
-* "xla": the pure-JAX reference, any backend. A `lax.fori_loop` over blocks of pages with an
-  online softmax, its trip count ceil(max live length / block): the work grows with the
-  longest live slot of the batch, not with the slots' capacity, and as the bound is a runtime
-  value it runs inside the engine's compiled loop without a recompile per length (a static
-  bucketed gather would need one program per bucket, or a `lax.switch` over all of them).
+* "xla": the pure-JAX reference, any backend. The live pages of all slots form one flat list;
+  a `lax.fori_loop` walks it in blocks of pages with an online softmax per slot, its trip
+  count ceil(live pages / block): the work grows with the live pages (sum of the slots'
+  ceil(length / T)), not with the slots' capacity nor with the longest slot, and as the
+  bound is a runtime value it runs inside the engine's compiled loop without a recompile per
+  length (a static bucketed gather would need one program per bucket, or a `lax.switch` over
+  all of them). Its online-softmax sums are scatter-adds: deterministic on CPU and TPU; XLA
+  on GPU may add them in any order (use "pallas_gpu" there, the default).
 * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (this pool's layout).
 * "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (this pool's layout).
 * "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla.
@@ -33,7 +36,8 @@ from dapo_jax.models import attention
 from dapo_jax.profiling import scoped
 
 PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
-BLOCK_TOKENS = 256  # tokens per step of the reference loop (and per kernel compute block)
+BLOCK_TOKENS = 256  # tokens per kernel compute block (and per step of the reference off CPU)
+BLOCK_TOKENS_CPU = 4096  # tokens per step of the reference loop on CPU
 
 
 def _divisor_at_most(m: int, cap: int) -> int:
@@ -49,46 +53,74 @@ def resolve_paged_impl(impl: str, platform: str | None = None) -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
+def block_pages(page_size: int, platform: str | None = None) -> int:
+  """Default pages per step of the reference loop: `BLOCK_TOKENS_CPU` tokens on CPU (the
+  per-step overhead (a while-loop trip, three scatters of the [N, H] softmax state) is paid
+  per block, the gather is not), `BLOCK_TOKENS` elsewhere."""
+  platform = platform or attention._backend()  # pylint: disable=protected-access
+  return max(1, (BLOCK_TOKENS_CPU if platform == "cpu" else BLOCK_TOKENS) // page_size)
+
+
 @scoped("attention_core")
 def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array,
                               table_NxM: jax.Array, length_N: jax.Array, *,
                               pages_per_block: int | None = None) -> jax.Array:
   """The "xla" path (module docstring); dtypes as `attention.decode_attention`: q·k and p·v in
-  the query dtype with fp32 accumulation, softmax statistics in fp32."""
+  the query dtype with fp32 accumulation, softmax statistics in fp32.
+
+  The live pages of all slots, in slot order, form one flat list of `sum(ceil(length / T))`
+  pages (slot n owns entries start[n] .. end[n]); the loop walks it in blocks of
+  `pages_per_block` (default `block_pages`), then the remainder in blocks of an eighth of that,
+  so at most that eighth is padding. Per block: the pages are gathered as [B, K, T, E] (the
+  operand layout of the batched q·k and p·v, no transpose) with their slot's query, and the
+  online-softmax state of each slot is updated by scatters over the block's slot ids (max,
+  then sums). Work and temporaries grow with the live pages, not with slots x capacity or with
+  the longest slot."""
   n, h, e = q_NxHxE.shape
   kh, _, t, _ = k_KxPxTxE.shape
-  m = table_NxM.shape[1]
-  b = pages_per_block or max(1, min(m, BLOCK_TOKENS // t))
+  m, g = table_NxM.shape[1], h // kh
+  big = pages_per_block or block_pages(t)
+  small = max(1, big // 8)
   dtype = q_NxHxE.dtype
-  q_NxKxGxE = q_NxHxE.reshape(n, kh, h // kh, e)
   low = jnp.finfo(jnp.float32).min
-  r_B = jnp.arange(b, dtype=jnp.int32)
-  r_BT = jnp.arange(b * t, dtype=jnp.int32)
+  q_NxKxGxE = q_NxHxE.reshape(n, kh, g, e)
+  pages_N = jnp.clip(-(-length_N // t), 0, m).astype(jnp.int32)
+  end_N = jnp.cumsum(pages_N)
+  start_N, total = end_N - pages_N, end_N[-1]
+  get = lambda x, i: x.at[i].get(mode="promise_in_bounds")  # indices below are in range
 
-  def block(i, carry):
+  def block(first, b, carry):
+    """Flat pages first .. first + b - 1 into the running (max, sum, acc) of their slots."""
     m_NxKxG, l_NxKxG, acc_NxKxGxE = carry
-    col_B = i * b + r_B
-    pages_NxB = jnp.maximum(jnp.take(table_NxM, jnp.minimum(col_B, m - 1), axis=1), 0)
-    k_KxNxBxTxE = jnp.take(k_KxPxTxE, pages_NxB, axis=1).astype(dtype)
-    v_KxNxBxTxE = jnp.take(v_KxPxTxE, pages_NxB, axis=1).astype(dtype)
-    s_NxKxGxBT = jnp.einsum("nkge,knbte->nkgbt", q_NxKxGxE, k_KxNxBxTxE,
-                            preferred_element_type=jnp.float32).reshape(n, kh, h // kh, b * t)
-    s_NxKxGxBT = s_NxKxGxBT * (e ** -0.5)
-    live_NxBT = (i * b * t + r_BT)[None] < length_N[:, None]
-    s_NxKxGxBT = jnp.where(live_NxBT[:, None, None], s_NxKxGxBT, low)
-    m_new = jnp.maximum(m_NxKxG, s_NxKxGxBT.max(-1))
+    j_B = first + jnp.arange(b, dtype=jnp.int32)
+    slot_B = jnp.minimum((j_B[:, None] >= end_N[None]).sum(-1, dtype=jnp.int32), n - 1)
+    col_B = jnp.clip(j_B - get(start_N, slot_B), 0, m - 1)
+    page_B = jnp.maximum(get(table_NxM, (slot_B, col_B)), 0)
+    to_B = jnp.where(j_B < total, slot_B, n)  # past the list: index n, dropped by the scatters
+    # The page axis moved first inside the body, where XLA fuses it into the gather's indexing
+    # (outside the loop it would be a transposed copy of the whole pool per call).
+    k_BxKxTxE = get(jnp.moveaxis(k_KxPxTxE, 1, 0), page_B).astype(dtype)
+    v_BxKxTxE = get(jnp.moveaxis(v_KxPxTxE, 1, 0), page_B).astype(dtype)
+    s_BxKxGxT = jnp.einsum("bkge,bkte->bkgt", get(q_NxKxGxE, slot_B), k_BxKxTxE,
+                           preferred_element_type=jnp.float32) * (e ** -0.5)
+    live_BxT = col_B[:, None] * t + jnp.arange(t)[None] < get(length_N, slot_B)[:, None]
+    s_BxKxGxT = jnp.where((live_BxT & (to_B < n)[:, None])[:, None, None], s_BxKxGxT, low)
+    # Every listed page holds a live token, so each touched slot's new max is a real score.
+    m_new = m_NxKxG.at[to_B].max(s_BxKxGxT.max(-1), mode="drop")
     alpha = jnp.exp(m_NxKxG - m_new)
-    p_NxKxGxBT = jnp.exp(s_NxKxGxBT - m_new[..., None])
-    l_new = alpha * l_NxKxG + p_NxKxGxBT.sum(-1)
-    pv = jnp.einsum("nkgbt,knbte->nkge", p_NxKxGxBT.reshape(n, kh, h // kh, b, t).astype(dtype),
-                    v_KxNxBxTxE, preferred_element_type=jnp.float32)
-    return m_new, l_new, alpha[..., None] * acc_NxKxGxE + pv
+    p_BxKxGxT = jnp.exp(s_BxKxGxT - get(m_new, slot_B)[..., None])
+    pv = jnp.einsum("bkgt,bkte->bkge", p_BxKxGxT.astype(dtype), v_BxKxTxE,
+                    preferred_element_type=jnp.float32)
+    return (m_new, (alpha * l_NxKxG).at[to_B].add(p_BxKxGxT.sum(-1), mode="drop"),
+            (alpha[..., None] * acc_NxKxGxE).at[to_B].add(pv, mode="drop"))
 
-  g = h // kh
-  init = (jnp.full((n, kh, g), low, jnp.float32), jnp.zeros((n, kh, g), jnp.float32),
-          jnp.zeros((n, kh, g, e), jnp.float32))
-  blocks = -(-jnp.max(length_N) // (b * t))
-  _, l_NxKxG, acc = jax.lax.fori_loop(0, blocks, block, init)
+  carry = (jnp.full((n, kh, g), low, jnp.float32), jnp.zeros((n, kh, g), jnp.float32),
+           jnp.zeros((n, kh, g, e), jnp.float32))
+  full = total // big
+  carry = jax.lax.fori_loop(0, full, lambda i, c: block(i * big, big, c), carry)
+  rest = -(-(total - full * big) // small)
+  _, l_NxKxG, acc = jax.lax.fori_loop(
+      0, rest, lambda i, c: block(full * big + i * small, small, c), carry)
   out = acc / jnp.maximum(l_NxKxG, jnp.finfo(jnp.float32).tiny)[..., None]
   return out.astype(dtype).reshape(n, h, e)
 
