@@ -126,6 +126,9 @@ class SamplingStats:
   # and decode slot-steps (rows x decode steps the engine ran, idle rows included).
   decoded_tokens: int = 0
   decode_slot_steps: int = 0
+  # Paged KV cache: samples sent back to the queue for want of pages (decoded again, the same
+  # tokens; their first pass counts in decoded_tokens).
+  preemptions: int = 0
 
   def _ratio(self, n: int) -> float:
     return n / self.num_groups_generated if self.num_groups_generated else 0.0

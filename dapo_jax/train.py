@@ -254,6 +254,7 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
   traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step)
   ds_stats.decoded_tokens = int(decoded["decoded_tokens"])
   ds_stats.decode_slot_steps = int(decoded["slot_steps"])
+  ds_stats.preemptions = int(decoded.get("preemptions", 0))
   traj = Trajectories.from_groups(groups)
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),

@@ -65,6 +65,7 @@ class RolloutStats:
   preemptions: int = 0  # paged: samples sent back to the queue for want of pages
   preempted_tokens: int = 0  # tokens those samples had emitted (decoded again)
   stalled_slot_steps: int = 0  # paged: slot-steps that waited for a page
+  peak_live_slots: int = 0  # most slots decoding at once
 
   @property
   def utilization(self) -> float:
@@ -238,6 +239,7 @@ class ContinuousStream:
       st.stalled_slot_steps += int(out.stalls)
     owner = np.asarray(out.owner_KxN)
     k_idx, n_idx = np.nonzero(owner >= 0)  # step-major: each sample's tokens in order
+    st.peak_live_slots = max(st.peak_live_slots, int((owner >= 0).sum(1).max(initial=0)))
     st.busy_slot_steps += k_idx.size
     finished = []
     for k, n in zip(k_idx.tolist(), n_idx.tolist()):
