@@ -46,7 +46,6 @@ def test_fresh_adapters_leave_the_model_unchanged_and_train_alone(scan=True):
   model = create_model(get_preset("test", scan_layers=scan, param_dtype="bfloat16",
                                   dtype="bfloat16"), seed=0)
   fg, fstate = ts.init_train_state(nnx.clone(model), cfg)
-  base_graphdef, base_state = nnx.split(model)
   lora.add_adapters(model, lora.LoRAConfig(rank=4, alpha=8.0), seed=1)
   graphdef, state = ts.init_train_state(model, cfg)
   # Only adapters are trained, in fp32; the base keeps the model's dtype.
@@ -58,30 +57,19 @@ def test_fresh_adapters_leave_the_model_unchanged_and_train_alone(scan=True):
   n_adapted = 7 * (1 if scan else get_preset("test").num_hidden_layers)
   assert len(jax.tree.leaves(state.params)) == 2 * n_adapted
   batch = _batch(np.random.RandomState(0))
-  grads = lambda g, p, r: jax.jit(functools.partial(ts.loss_and_grads, g, cfg))(p, r, batch)
-  _, m_full, _ = grads(fg, fstate.params, fstate.rest)
-  g_lora, m_lora, _ = grads(graphdef, state.params, state.rest)
-  assert float(m_lora["loss"]) == float(m_full["loss"])
-  assert jax.tree.structure(g_lora) == jax.tree.structure(state.params)
-  # B = 0 gives A no gradient; B gets one.
-  b_grads = [g for p, g in nnx.to_flat_state(g_lora) if p[-1] == "lora_b"]
-  assert all(float(jnp.abs(g).max()) > 0 for g in b_grads)
+  _, m_full = ts.TrainStep(fg, cfg)(fstate, batch, 0)
   base_before = _host(state.rest)
-  step = ts.TrainStep(graphdef, cfg)
-  new, metrics = step(state, batch, 0)
-  assert float(metrics["skipped"]) == 0
+  new, m_lora = ts.TrainStep(graphdef, cfg)(state, batch, 0)
+  assert float(m_lora["loss"]) == float(m_full["loss"])  # measured before the update
+  assert float(m_lora["skipped"]) == 0 and float(m_lora["grad_norm"]) > 0
+  # The optimizer state holds moments of the adapters alone (mu and nu: 2 per adapter).
+  assert len(jax.tree.leaves(new.opt_state)) == 2 * len(jax.tree.leaves(state.params)) + 1
+  # The base: the same arrays, bitwise unchanged (not donated, not copied).
   jax.tree.map(np.testing.assert_array_equal, _host(new.rest), base_before)
-  assert new.rest is state.rest or all(
-      a is b for a, b in zip(jax.tree.leaves(new.rest), jax.tree.leaves(state.rest)))
+  assert all(a is b for a, b in zip(jax.tree.leaves(new.rest), jax.tree.leaves(state.rest)))
+  # B = 0 gives A no loss gradient, but B gets one: every B moved.
   moved = [float(jnp.abs(x).max()) for p, x in nnx.to_flat_state(new.params) if p[-1] == "lora_b"]
   assert min(moved) > 0
-  # The adapted model now differs from the base; the merged weights give the same function.
-  merged = lora.merge_adapters(new.rest, new.params, 8.0 / 4)
-  lp_adapted = _logp(nnx.merge(graphdef, new.params, new.rest), batch)
-  lp_merged = _logp(nnx.merge(fg, merged, fstate.rest), batch)
-  lp_base = _logp_jit(base_graphdef, base_state, batch)
-  assert float(jnp.abs(lp_adapted - lp_base).max()) > 1e-3
-  np.testing.assert_allclose(np.asarray(lp_merged), np.asarray(lp_adapted), atol=0.1)
 
 
 @functools.partial(jax.jit, static_argnums=0)
