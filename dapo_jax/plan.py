@@ -49,7 +49,8 @@ from dapo_jax import plan_paged
 from dapo_jax import run_setup
 from dapo_jax import sharding as shd
 from dapo_jax.models import attention
-from dapo_jax.models import Qwen2Config, abstract_model, default_positions, get_preset
+from dapo_jax.models import Qwen2Config, abstract_model, default_positions, get_preset, lora
+from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
@@ -200,8 +201,12 @@ def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: st
 def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
   """The train step lowered for one optimizer update on a mini-batch, with its abstract inputs."""
   tcfg = run_setup.train_config(config)
-  graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
-  # As `init_train_state`: fp32 master weights (and so fp32 Adam moments) for a bf16 model.
+  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  model = nnx.eval_shape(lambda: lora.add_adapters(Qwen2ForCausalLM(mcfg, rngs=nnx.Rngs(0)),
+                                                   lcfg))
+  # As `init_train_state`: the trained params (every Param, or the LoRA adapters alone, the base
+  # then frozen in `rest`) get fp32 master weights (and so fp32 Adam moments) for a bf16 model.
+  graphdef, params, rest = nnx.split(model, lora.Adapter if lcfg.rank else nnx.Param, ...)
   params = jax.eval_shape(functools.partial(master_params, cfg=tcfg), params)
   opt_state = jax.eval_shape(make_optimizer(tcfg).init, params)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
@@ -232,11 +237,12 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
                           batch)
   parts = {"params": shd.per_device_bytes(params, sh.params),
            "opt_state": shd.per_device_bytes(opt_state, sh.opt_state),
+           "frozen_base": shd.per_device_bytes(state.rest, sh.rest),  # LoRA's base; else 0
            "batch": shd.per_device_bytes(batch, batch_sh),
            "activations_and_temp": 0 if compiled is None else _mem(compiled)["temp"]}
   return _summary(compiled, oom, seconds, parts, "activations_and_temp") | {
       "num_micro_batches": tcfg.num_micro_batches, "rows": rows,
-      "state_bytes": parts["params"] + parts["opt_state"]}
+      "state_bytes": parts["params"] + parts["opt_state"] + parts["frozen_base"]}
 
 
 def compile_train_cost(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
