@@ -99,12 +99,15 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
     to_B = jnp.where(j_B < total, slot_B, n)  # past the list: index n, dropped by the scatters
     # The page axis moved first inside the body, where XLA fuses it into the gather's indexing
     # (outside the loop it would be a transposed copy of the whole pool per call).
-    k_BxKxTxE = get(jnp.moveaxis(k_KxPxTxE, 1, 0), page_B).astype(dtype)
-    v_BxKxTxE = get(jnp.moveaxis(v_KxPxTxE, 1, 0), page_B).astype(dtype)
+    k_BxKxTxE = jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
+                             ).astype(dtype)
+    v_BxKxTxE = jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
+                             ).astype(dtype)
     s_BxKxGxT = jnp.einsum("bkge,bkte->bkgt", get(q_NxKxGxE, slot_B), k_BxKxTxE,
                            preferred_element_type=jnp.float32) * (e ** -0.5)
+    # Tokens past the slot's length masked; entries past the list need no mask (dropped below).
     live_BxT = col_B[:, None] * t + jnp.arange(t)[None] < get(length_N, slot_B)[:, None]
-    s_BxKxGxT = jnp.where((live_BxT & (to_B < n)[:, None])[:, None, None], s_BxKxGxT, low)
+    s_BxKxGxT = jnp.where(live_BxT[:, None, None], s_BxKxGxT, low)
     # Every listed page holds a live token, so each touched slot's new max is a real score.
     m_new = m_NxKxG.at[to_B].max(s_BxKxGxT.max(-1), mode="drop")
     alpha = jnp.exp(m_NxKxG - m_new)
