@@ -112,6 +112,9 @@ def test_config_validation_is_one_line(field, value, words):
   with pytest.raises(ValueError, match=words) as err:
     config_lib.validate(c)
   assert "\n" not in str(err.value) and f"model.lora.{field}" in str(err.value)
+  c.model.lora[field] = config_lib.default_config().model.lora[field]
+  c.model.lora.targets = ("layers.3.mlp.up_proj", "*.self_attn.q_proj", "k")  # patterns pass
+  config_lib.validate(c)
 
 
 def test_an_adapter_update_reaches_both_samplers():

@@ -70,10 +70,12 @@ def validate(lcfg: LoRAConfig) -> str | None:
     return f"quantize_base={lcfg.quantize_base!r}: choose one of {QUANTIZE_BASE}"
   if lcfg.rank and not lcfg.targets:
     return f"targets=(): name at least one of {ALL_TARGETS} or a module-path pattern"
+  # Every module path of a model with up to 512 layers (unscanned "layers.N.", scanned "layers.").
+  paths = [f"layers{i}{parent}.{name}" for i in ["", *(f".{n}" for n in range(512))]
+           for name in SHORT_TARGETS.values()
+           for parent in (".self_attn" if name[0] in "qkvo" else ".mlp",)]
   for t in lcfg.targets:
-    if t not in SHORT_TARGETS and not any(
-        fnmatch.fnmatchcase(f"layers.0.x.{name}", t) or fnmatch.fnmatchcase(f"layers.x.{name}", t)
-        for name in SHORT_TARGETS.values()):
+    if t not in SHORT_TARGETS and not any(fnmatch.fnmatchcase(p, t) for p in paths):
       return (f"targets: {t!r} matches no projection; use {ALL_TARGETS} or a pattern such as "
               "'*.self_attn.q_proj'")
   return None
