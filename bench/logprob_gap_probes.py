@@ -7,9 +7,12 @@ sequences (teacher forcing), so every pair sees identical tokens. Probes:
 
 - batch invariance: one prompt's decode alone, in slot 0 of a full batch, in slot 5;
 - decode vs prefill: the one-token decode steps over the KV cache against one prefill pass over
-  prompt + response, both with the sampler's formula (log_softmax, then the token);
-- formula: the same logits through the sampler's log_softmax-and-gather and through the trainer's
-  target-minus-logsumexp (`logprobs._chunk_stats`);
+  prompt + response, both with the one log-prob formula (`logprobs.token_log_probs`);
+- head and formula: the same hidden states through the sampler's shape (one [B, V] logits matmul
+  and `token_log_probs` per response column) and the trainer's (`logprobs.chunked_token_stats`,
+  one [B, C, V] chunk). Before issue 29 part 4 the two sides used two formulas
+  (log_softmax-and-gather against target-minus-logsumexp; bench/results/
+  logprob_gap_probes_two_formulas.json);
 - prefill vs training forward: the prefill pass against `LogProbForward` (the old log-probs), and
   `LogProbForward` against the update's own forward under `jax.grad` (remat none / full);
 - meshes: `LogProbForward` on one device against fsdp=8 and data=2 x tensor=4;
@@ -50,7 +53,7 @@ import tiny_cpu  # noqa: E402  # pylint: disable=wrong-import-position
 from dapo_jax import logprob_gap, logprob_measure, run_setup  # noqa: E402
 from dapo_jax import sharding as shd  # noqa: E402
 from dapo_jax.generation import render_batch  # noqa: E402
-from dapo_jax.logprobs import response_log_probs  # noqa: E402
+from dapo_jax.logprobs import chunked_token_stats, response_log_probs, token_log_probs  # noqa: E402
 from dapo_jax.models import abstract_model, create_model, default_positions  # noqa: E402
 from dapo_jax.train_step import LogProbForward  # noqa: E402
 
@@ -96,12 +99,6 @@ def fixed_rows(config, tokenizer, num: int = NUM_PROMPTS, seed: int = 0):
   return records, prompt_ids, prompt_mask.astype(bool), response, response_mask
 
 
-def _gather_log_softmax(logits_NxV, tokens_N):
-  """The sampler's formula (rollout.sampling.sample_logits at temperature 1)."""
-  lp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(lp, tokens_N[..., None], axis=-1)[..., 0]
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def decode_logp(graphdef, params, rest, prompt_ids, prompt_mask, response):
   """Teacher-forced rollout: prefill the prompt, then one `decode_step` per response column over
@@ -123,7 +120,7 @@ def decode_logp(graphdef, params, rest, prompt_ids, prompt_mask, response):
 
   _, rest_logits = jax.lax.scan(step, cache, (jnp.arange(1, r), response[:, :-1].T))
   logits = jnp.concatenate([logits0[None], rest_logits], axis=0)  # [R, B, V]
-  return _gather_log_softmax(jnp.swapaxes(logits, 0, 1), response)
+  return token_log_probs(jnp.swapaxes(logits, 0, 1), response)
 
 
 def _full_rows(prompt_ids, prompt_mask, response, response_mask):
@@ -133,25 +130,28 @@ def _full_rows(prompt_ids, prompt_mask, response, response_mask):
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill_logp(graphdef, params, rest, ids, mask, response):
-  """One prefill pass over prompt + response, the sampler's formula on every position."""
+  """One prefill pass over prompt + response, the one formula on every position."""
   model = nnx.merge(graphdef, params, rest)
   r = response.shape[1]
   h, _ = model.prefill(ids, default_positions(mask), mask)
   logits = model.logits_from_hidden(h[:, -r - 1:-1])
-  return _gather_log_softmax(logits, response)
+  return token_log_probs(logits, response)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def formula_pair(graphdef, params, rest, ids, mask, response):
-  """The same training-pass logits through both formulas: (sampler's, trainer's)."""
+def head_pair(graphdef, params, rest, ids, mask, response):
+  """The same training-pass hidden states through the sampler's shape (a [B, V] logits matmul
+  and `token_log_probs` per response column, as a decode step) and the trainer's
+  (`chunked_token_stats`): (sampler's, trainer's)."""
   model = nnx.merge(graphdef, params, rest)
   r = response.shape[1]
   h, _ = model.hidden_states(ids, default_positions(mask), mask)
-  z = model.logits_from_hidden(h[:, -r - 1:-1])
-  vocab = jnp.arange(z.shape[-1])[None, None]
-  trainer = (jnp.sum(jnp.where(vocab == response[..., None], z, 0.0), axis=-1)
-             - jax.nn.logsumexp(z, axis=-1))
-  return _gather_log_softmax(z, response), trainer
+  h_BxRxD = h[:, -r - 1:-1]
+  step = lambda h_BxD, tok_B: token_log_probs(model.logits_from_hidden(h_BxD[:, None])[:, 0],
+                                              tok_B)
+  sampler = jax.lax.map(lambda xs: step(*xs), (jnp.swapaxes(h_BxRxD, 0, 1), response.T)).T
+  trainer, _ = chunked_token_stats(h_BxRxD, model.lm_head_kernel(), response)
+  return sampler, trainer
 
 
 def graphdef_with(config, tokenizer, **model_fields):
@@ -212,9 +212,9 @@ def probes(dtype: str = "float32", *, small: bool = False, meshes: bool = True,
   ids, mask = _full_rows(pids, pmask, resp, rmask)
   prefill = np.asarray(prefill_logp(graphdef, params, rest, ids, mask, resp))
   out.append(("decode vs prefill (same formula)", gap(batch, prefill, rmask)))
-  sampler_f, trainer_f = (np.asarray(x) for x in formula_pair(graphdef, params, rest, ids, mask,
-                                                               resp))
-  out.append(("formula: log_softmax+gather vs target-logsumexp (same logits)",
+  sampler_f, trainer_f = (np.asarray(x) for x in head_pair(graphdef, params, rest, ids, mask,
+                                                            resp))
+  out.append(("head and formula: sampler's [B, V] steps vs trainer's chunk (same hidden states)",
               gap(sampler_f, trainer_f, rmask)))
   old = np.asarray(train_logp(config, graphdef, params, rest, ids, mask, r))
   out.append(("prefill vs training forward (LogProbForward)", gap(prefill, old, rmask)))

@@ -12,6 +12,9 @@ for old and reference log-probs, run in micro-batches.
 
 Shapes: B sequences, L = P + R prompt plus response tokens, R response tokens,
 C chunk length, D hidden, V vocabulary.
+
+`token_log_probs` is the one log-prob formula: the trainer's chunks and the sampler
+(`rollout.sampling.sample_logits`) both call it, so equal logits give bit-equal log-probs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,47 @@ from dapo_jax.models import default_positions
 from dapo_jax.sharding import constrain
 
 
+def fixed_order_sum(x_xN: jax.Array) -> jax.Array:
+  """Sum over the last axis in an order fixed by its length alone: zero-padded to a power of
+  two, then halves added pairwise (x[:h] + x[h:], log2 N times).
+
+  `jnp.sum` lets XLA pick the accumulation order by the whole shape: on CPU the same row summed
+  in a [B, V] array and in a [B, C, V] one differed by 1 ULP on 12-18% of rows (measured, tiny
+  model). Elementwise adds have one rounding each, so this sum is the same bits for a row
+  whatever the other axes are (a decode step's [N, V], a training chunk's [B, C, V]).
+  """
+  n = x_xN.shape[-1]
+  width = 1 << max(n - 1, 0).bit_length()
+  x = jnp.pad(x_xN, [(0, 0)] * (x_xN.ndim - 1) + [(0, width - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def token_log_probs(logits_xV: jax.Array, targets_x: jax.Array, *,
+                    temperature: float = 1.0) -> jax.Array:
+  """``log softmax(logits / temperature)`` at ``targets`` (fp32), the ONE formula of the
+  sampler and the trainer (issue 29): ``(z_t - m) - log(sum_v exp(z_v - m))``, m = max_v z_v.
+
+  Any leading shape (``[N, V]`` in a decode step, ``[B, C, V]`` in a training chunk). The two
+  sides used to differ here by up to 2 ULP on equal logits: log_softmax-and-gather rounds
+  ``z_t - m`` first, ``z_t - logsumexp(z)`` rounds ``m + log(...)`` first. The target is a
+  masked sum, not a gather: exact (it adds zeros) and local when the vocabulary is split over
+  the tensor axis. ``temperature`` 1.0 skips the division (x / 1 is exact anyway).
+  """
+  z = logits_xV.astype(jnp.float32)
+  if temperature != 1.0:
+    z = z / temperature
+  # The max only shifts: no gradient through it (as jax.nn.log_softmax).
+  shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+  log_norm = jnp.log(fixed_order_sum(jnp.exp(shifted)))
+  vocab = jax.lax.broadcasted_iota(jnp.int32, shifted.shape, shifted.ndim - 1)
+  # One non-zero term: exact in any order.
+  target = jnp.sum(jnp.where(vocab == targets_x[..., None], shifted, 0.0), axis=-1)
+  return target - log_norm
+
+
 def _chunk_stats(h_BxCxD: jax.Array, targets_BxC: jax.Array,
                  w_DxV: jax.Array, *, temperature: float,
                  entropy_grad: bool) -> tuple[jax.Array, jax.Array]:
@@ -36,17 +80,13 @@ def _chunk_stats(h_BxCxD: jax.Array, targets_BxC: jax.Array,
   z_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype),
                        preferred_element_type=jnp.float32)
   z_BxCxV = constrain(z_BxCxV, ("batch", "length", "act_vocab"))
-  z_BxCxV = z_BxCxV / temperature  # spec 4: rollout temperature.
-  lse_BxC = jax.nn.logsumexp(z_BxCxV, axis=-1)
-  # A masked reduction, not a gather: it stays local when the vocabulary is
-  # split over the tensor axis, and it is exact (adds zeros).
-  vocab_1x1xV = jnp.arange(z_BxCxV.shape[-1], dtype=jnp.int32)[None, None, :]
-  target_BxC = jnp.sum(
-      jnp.where(vocab_1x1xV == targets_BxC[..., None], z_BxCxV, 0.0), axis=-1)
+  # spec 4: at the rollout temperature; the sampler's own formula (bit-equal on equal logits).
+  logp_BxC = token_log_probs(z_BxCxV, targets_BxC, temperature=temperature)
+  z_BxCxV = z_BxCxV / temperature
   # Entropy is a metric unless an entropy bonus is on: no gradient through it
   # then, so the backward pass does no work for it.
   z_ent = z_BxCxV if entropy_grad else jax.lax.stop_gradient(z_BxCxV)
-  return target_BxC - lse_BxC, objective.entropy_from_logits(z_ent)
+  return logp_BxC, objective.entropy_from_logits(z_ent)
 
 
 def chunked_token_stats(h_BxRxD: jax.Array, w_DxV: jax.Array,

@@ -65,17 +65,21 @@ def test_negative_control_turns_the_gate_red(fp32_probes):
 
 def test_bit_equal_paths_on_this_code(fp32_probes):
   """Measured bit-equal (bench/results/logprob_gap_probes.json, fp32 and bf16): a row's decode
-  does not depend on its slot, and the update's forward under jax.grad (remat or not) gives
-  exactly the old log-probs, so every PPO ratio starts at exactly 1."""
+  does not depend on its slot; the update's forward under jax.grad (remat or not) gives exactly
+  the old log-probs, so every PPO ratio starts at exactly 1; and since the sampler and trainer
+  share `logprobs.token_log_probs`, the prefill pass and the sampler's per-step head give
+  exactly the training forward's log-probs (with two formulas: 73% of tokens bit-equal)."""
   for name in ("decode: prompt 0 in slot 0 vs in slot 5",
                "training forward vs the update's forward (remat=none)",
-               "training forward vs the update's forward (remat=full)"):
+               "training forward vs the update's forward (remat=full)",
+               "prefill vs training forward (LogProbForward)",
+               "head and formula: sampler's [B, V] steps vs trainer's chunk (same hidden states)"):
     assert logprob_gap.bit_equal_gate(fp32_probes[name]), (name, fp32_probes[name])
 
 
 def test_every_fp32_gap_is_within_a_few_ulp(fp32_probes):
-  """Batch size, decode vs prefill, the two log-prob formulas, the meshes and the real static
-  engine each move fp32 log-probs by at most a few ULP (not bit-equal: see docs/algorithm.md)."""
+  """Batch size, decode vs prefill, the meshes and the real static engine each move fp32
+  log-probs by at most a few ULP (not bit-equal: see docs/logprob_gap.md)."""
   assert any(k.startswith("end to end: static") for k in fp32_probes)
   assert any(k.startswith("training forward: 1 device vs") for k in fp32_probes)
   for name, m in fp32_probes.items():

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dapo_jax.logprobs import token_log_probs
 from dapo_jax.profiling import scoped
 
 
@@ -98,7 +99,8 @@ def sample_logits(
   Returns:
     tokens_B int32 and logprobs_B fp32: the log-prob of each sampled token under the FULL
     softmax of logits / temperature (not the truncated distribution), the quantity the trainer
-    recomputes (spec section 4). Greedy (temperature 0) reports log_softmax(logits) at T = 1.
+    recomputes (spec section 4), by the trainer's own formula (`logprobs.token_log_probs`).
+    Greedy (temperature 0) reports log_softmax(logits) at T = 1.
   """
   _check_switches(temperature, top_p, top_k)
   logits_BxV = logits_BxV.astype(jnp.float32)
@@ -106,16 +108,16 @@ def sample_logits(
 
   if temperature == 0.0:
     tokens_B = _argmax(logits_BxV)
-    return tokens_B, _gather(jax.nn.log_softmax(logits_BxV, axis=-1), tokens_B)
+    return tokens_B, token_log_probs(logits_BxV, tokens_B)
 
   scaled_BxV = logits_BxV / temperature if temperature != 1.0 else logits_BxV
-  logprobs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+  logprob_of = lambda tokens_B: token_log_probs(logits_BxV, tokens_B, temperature=temperature)
 
   use_top_k = 0 < top_k < vocab
   if not use_top_k and top_p >= 1.0:
     # The DAPO training setting: one categorical draw over the full vocabulary, no sort.
     tokens_B = _categorical(key, scaled_BxV)
-    return tokens_B, _gather(logprobs_BxV, tokens_B)
+    return tokens_B, logprob_of(tokens_B)
 
   # Candidates in descending order: top_k is a partial sort, cheaper than sorting all of V.
   if use_top_k:
@@ -136,7 +138,7 @@ def sample_logits(
 
   choice_B = _categorical(key, cand_BxK)
   tokens_B = _gather(idx_BxK, choice_B).astype(jnp.int32)
-  return tokens_B, _gather(logprobs_BxV, tokens_B)
+  return tokens_B, logprob_of(tokens_B)
 
 
 def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
