@@ -272,7 +272,8 @@ def test_reference_paged_attention_in_a_while_loop():
 
 def test_reference_paged_attention_memory_does_not_grow_with_capacity():
   """The compiled reference's temporaries are the same for 8 and 512 pages per slot: nothing
-  of slots x capacity (e.g. a relayout of the whole pool) is materialised."""
+  of slots x capacity (e.g. a relayout of the whole pool) is materialised. (Inside the
+  engine's loop: tests/test_paged_engine.py::test_paged_chunk_never_copies_the_pool.)"""
   n, h, kh, e, t = 4, 4, 2, 8, 4
 
   def temp_bytes(m):

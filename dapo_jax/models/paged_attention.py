@@ -71,8 +71,8 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
   The live pages of all slots, in slot order, form one flat list of `sum(ceil(length / T))`
   pages (slot n owns entries start[n] .. end[n]); the loop walks it in blocks of
   `pages_per_block` (default `block_pages`), then the remainder in blocks of an eighth of that,
-  so at most that eighth is padding. Per block: the pages are gathered as [B, K, T, E] (the
-  operand layout of the batched q·k and p·v, no transpose) with their slot's query, and the
+  so at most that eighth is padding. Per block: the pages are gathered and brought to
+  [B, K, T, E] (the operand layout of the batched q·k and p·v) with their slot's query, and the
   online-softmax state of each slot is updated by scatters over the block's slot ids (max,
   then sums). Work and temporaries grow with the live pages, not with slots x capacity or with
   the longest slot."""
@@ -97,8 +97,9 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
     col_B = jnp.clip(j_B - get(start_N, slot_B), 0, m - 1)
     page_B = jnp.maximum(get(table_NxM, (slot_B, col_B)), 0)
     to_B = jnp.where(j_B < total, slot_B, n)  # past the list: index n, dropped by the scatters
-    # The page axis moved first inside the body, where XLA fuses it into the gather's indexing
-    # (outside the loop it would be a transposed copy of the whole pool per call).
+    # Gathered along the pool's own page axis, then the small block transposed: moving the
+    # pool's page axis first makes XLA CPU copy the whole pool per block once the pool is a
+    # loop carry (the engine's; see the memory test in tests/test_paged_kv.py).
     k_BxKxTxE = jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
                              ).astype(dtype)
     v_BxKxTxE = jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
