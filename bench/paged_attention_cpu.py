@@ -1,7 +1,8 @@
 r"""Decode attention per token: the paged reference vs the dense cache, on long-tail live lengths.
 
     python bench/paged_attention_cpu.py          # N=64 slots, tiny_cpu heads, both goals
-    python bench/paged_attention_cpu.py --repeats 9 --out bench/results/paged_attention_cpu.json
+    python bench/paged_attention_cpu.py --repeats 9 --reference_at d8b309d \
+        --out bench/results/paged_attention_cpu_before.json     # the reference before the rewrite
 
 One decode step's attention (one layer) over N slots, timed for:
 
@@ -29,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,15 @@ from dapo_jax.models import paged_attention as pa  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def reference_at(commit: str):
+  """`reference_paged_attention` as of `commit` (the before/after table)."""
+  src = subprocess.run(["git", "show", f"{commit}:dapo_jax/models/paged_attention.py"], cwd=ROOT,
+                       capture_output=True, text=True, check=True).stdout
+  module = types.ModuleType(f"paged_attention_{commit}")
+  exec(compile(src, f"paged_attention.py@{commit}", "exec"), module.__dict__)  # pylint: disable=exec-used
+  return module.reference_paged_attention
 
 
 def make_case(rng, q, length, s: int, kh: int, e: int, t: int, scatter: bool = False):
@@ -85,6 +97,8 @@ def main() -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--scatter", action="store_true",
                   help="live pages anywhere in the pool (default: its lowest ids, shuffled)")
+  ap.add_argument("--reference_at", default="",
+                  help="a git commit: time its paged_attention.reference_paged_attention")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/paged_attention_cpu.json"))
   args = ap.parse_args()
   caps = [int(c) for c in args.capacities.split(",")]
@@ -94,7 +108,8 @@ def main() -> None:
   mixes = {"goal1": long_tail_lengths(n, 4 * args.mean_length, 0.05, rng),
            "goal2": long_tail_lengths(n, min(caps), 0.05, rng)}
   dense_fn = jax.jit(attention.decode_attention)
-  paged_fn = jax.jit(pa.reference_paged_attention)
+  paged_fn = jax.jit(reference_at(args.reference_at) if args.reference_at
+                     else pa.reference_paged_attention)
 
   cases = {("goal1", args.goal_capacity): None, **{("goal2", s): None for s in caps}}
   for mix, s in cases:
@@ -130,7 +145,8 @@ def main() -> None:
         f"page={t}, live pages {'anywhere in' if args.scatter else 'at the bottom of'} the pool; "
         f"median over {args.repeats} rounds of {args.iters} calls")
   result = dict(host=host, command=" ".join(["python"] + sys.argv), load_average=load, slots=n,
-                heads=h, kv_heads=kh, head_dim=e, page_size=t, scatter=args.scatter,
+                reference_at=args.reference_at or host["commit"], heads=h, kv_heads=kh,
+                head_dim=e, page_size=t, scatter=args.scatter,
                 repeats=args.repeats, iters=args.iters, rows=[])
   print(f"{'mix':>6} {'mean':>5} {'max':>5} {'capacity':>8} {'dense us/tok':>13} "
         f"{'paged us/tok':>13} {'dense/paged':>12} {'(CPU time)':>11} {'max |diff|':>11}")
