@@ -79,7 +79,7 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
   n, h, e = q_NxHxE.shape
   kh, _, t, _ = k_KxPxTxE.shape
   m, g = table_NxM.shape[1], h // kh
-  big = pages_per_block or block_pages(t)
+  big = min(pages_per_block or block_pages(t), n * m)  # more than every slot's pages: padding
   small = max(1, big // 8)
   dtype = q_NxHxE.dtype
   low = jnp.finfo(jnp.float32).min
