@@ -74,11 +74,21 @@ def test_paged_engine_draws_the_dense_engines_tokens(split_model, dense, page_si
 def test_paged_slots_sharded_over_a_mesh_match_one_device(split_model, dense):
   ref, _ = dense
   mesh = shd.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
-  out, stats = _generate(*split_model, kv_cache="paged", page_size=4, kv_pages=40, num_slots=8,
+  out, stats = _generate(*split_model, kv_cache="paged", page_size=4, kv_pages=14, num_slots=8,
                          mesh=mesh)
   np.testing.assert_array_equal(out.response_ids, ref.response_ids)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-  assert stats.preemptions > 0  # 40 pages of 4 for 8 slots of up to 36 tokens
+  # A pool per data shard (4 here), 14 pages of 4 for its 2 slots of up to 33 tokens besides
+  # its copy of the queued prompts: the shards preempt on their own.
+  assert stats.preemptions > 0
+  sampler = continuous.ContinuousSampler(split_model[0], num_slots=8, max_prefill_length=16,
+                                         mesh=mesh, kv_cache="paged", page_size=4, kv_pages=14)
+  stream = sampler.open_stream(split_model[1], params=PARAMS, num_samples=G,
+                               key=jax.random.key(0), prompt_length=9)
+  k = stream._engine.slots.decode.cache.k[0]  # pylint: disable=protected-access
+  assert k.shape[:3] == (4, 2, 14)  # [S, K, P, T, E]
+  assert k.sharding.shard_shape(k.shape)[:3] == (1, 1, 14)  # a shard's pool, heads split
+  stream.close()
 
 
 def test_a_prompt_is_stored_once_for_its_samples(split_model):

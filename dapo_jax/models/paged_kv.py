@@ -45,8 +45,15 @@ def pages_for(length: jax.Array | int, page_size: int) -> jax.Array | int:
 
 @flax.struct.dataclass
 class PagedKVCache:
-  """One data shard's page pool, page tables and lengths (see the module docstring)."""
-  k: Layers  # L x [K, P, T, E], or [L, K, P, T, E] stacked
+  """One data shard's page pool, page tables and lengths (see the module docstring).
+
+  The engine keeps S shards' pools as one of these with a leading shard axis on every array
+  (k: L x [S, K, P, T, E] or [L, S, K, P, T, E]; refcount [S, P]; table [S, N/S, M]; length
+  [S, N/S]), laid out over the mesh's batch axes: slot n of the engine is slot n % (N/S) of
+  shard n // (N/S), page ids are shard-local, and the functions here run on each shard
+  (`jax.vmap`), so no page or table ever crosses shards.
+  """
+  k: Layers  # L x [K, P, T, E], or [L, K, P, T, E] stacked (a sharded cache: see above)
   v: Layers  # like k
   refcount: jax.Array  # [P] int32 holders of each page (slots and queue entries); 0 = free
   table: jax.Array  # [N, M] int32 slot n's pages in token order; -1 = none
@@ -58,7 +65,12 @@ class PagedKVCache:
 
   @property
   def num_pages(self) -> int:
-    return self.refcount.shape[0]
+    return self.refcount.shape[-1]
+
+  @property
+  def shards(self) -> int | None:
+    """S of a sharded cache (leading shard axis), None for one shard's."""
+    return self.refcount.shape[0] if self.refcount.ndim == 2 else None
 
   @property
   def page_size(self) -> int:
@@ -66,24 +78,28 @@ class PagedKVCache:
 
   @property
   def max_pages(self) -> int:
-    return self.table.shape[1]
+    return self.table.shape[-1]
 
   @classmethod
   def zeros(cls, *, num_layers: int, num_slots: int, num_pages: int, page_size: int,
             max_pages_per_slot: int, kv_heads: int, head_dim: int, dtype: Any,
-            stacked: bool = False) -> PagedKVCache:
-    shape = (kv_heads, num_pages, page_size, head_dim)
+            stacked: bool = False, shards: int | None = None) -> PagedKVCache:
+    """Empty pools; with `shards`, S pools of `num_pages` each for `num_slots` / S slots each."""
+    lead = () if shards is None else (shards,)
+    slots = num_slots if shards is None else num_slots // shards
+    shape = lead + (kv_heads, num_pages, page_size, head_dim)
     if stacked:
       k, v = (jnp.zeros((num_layers,) + shape, dtype) for _ in range(2))
     else:
       k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
       v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return cls(k=k, v=v, refcount=jnp.zeros((num_pages,), jnp.int32),
-               table=jnp.full((num_slots, max_pages_per_slot), -1, jnp.int32),
-               length=jnp.zeros((num_slots,), jnp.int32))
+    return cls(k=k, v=v, refcount=jnp.zeros(lead + (num_pages,), jnp.int32),
+               table=jnp.full(lead + (slots, max_pages_per_slot), -1, jnp.int32),
+               length=jnp.zeros(lead + (slots,), jnp.int32))
 
   def free_pages(self) -> jax.Array:
-    return (self.refcount == 0).sum(dtype=jnp.int32)
+    """Free pages of the pool ([S] for a sharded cache)."""
+    return (self.refcount == 0).sum(-1, dtype=jnp.int32)
 
   def _drop(self, page: jax.Array, keep: jax.Array) -> jax.Array:
     """`page` where `keep`, else P: an index every `mode="drop"` scatter ignores (-1 would
@@ -271,3 +287,18 @@ def gather_dense(cache: PagedKVCache, layer: int, slots: int | None = None
   length = cache.length if slots is None else cache.length[:slots]
   valid_NxS = jnp.arange(m * t)[None] < length[:, None]
   return k_NxKxSxE.transpose(0, 1, 3, 2), v_NxKxSxE, valid_NxS
+
+
+def on_shards(fn, cache: PagedKVCache, *per_slot: Any, **kwargs):
+  """`fn(one shard's cache, *its slots' rows, **kwargs)` on every shard of a sharded cache
+  (`jax.vmap` over the shard axis), or on a one-shard cache as it is: per-slot arrays (or trees
+  of them) [N, ...] go in split [S, N/S, ...]; a cache in the results comes back sharded,
+  every other result [S, N/S, ...] back as [N, ...]."""
+  if cache.shards is None:
+    return fn(cache, *per_slot, **kwargs)
+  s, ns = cache.shards, cache.table.shape[1]
+  split = lambda x: x.reshape((s, ns) + x.shape[1:])
+  out = jax.vmap(lambda c, *rows: fn(c, *rows, **kwargs))(cache, *jax.tree.map(split, per_slot))
+  merge = lambda x: x if isinstance(x, PagedKVCache) else jax.tree.map(
+      lambda a: a.reshape((s * ns,) + a.shape[2:]), x)
+  return tuple(map(merge, out)) if isinstance(out, tuple) else merge(out)

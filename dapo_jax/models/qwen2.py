@@ -18,6 +18,8 @@ Every parameter carries ``logical_axes`` metadata (see ``dapo_jax.sharding``).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import jax
@@ -148,11 +150,20 @@ class Attention(nnx.Module):
     """`decode` over a paged cache: the token goes to `app`'s (page, offset), attention reads
     each slot's live pages (its length after this token). `layer`: stacked pools."""
     q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._one_token_qkv(x_Nx1xD, positions_Nx1)
-    k_pool, v_pool = paged_kv.write_token(k_pool, v_pool, kn_Nx1xKxE[:, 0], vn_Nx1xKxE[:, 0],
-                                          app, layer)
+    n, s = q_Nx1xHxE.shape[0], cache.shards
+    # A sharded pool ([S, ...] per layer, `PagedKVCache`): each shard writes and reads its own
+    # slots' pages, the [N] rows split [S, N/S].
+    split = (lambda x: x) if s is None else (lambda x: x.reshape((s, n // s) + x.shape[1:]))
+    shardwise = lambda f, **axes: f if s is None else jax.vmap(f, **axes)
+    pool_axis = 0 if layer is None else 1
+    write = shardwise(functools.partial(paged_kv.write_token, layer=layer),
+                      in_axes=(pool_axis, pool_axis, 0, 0, 0), out_axes=pool_axis)
+    k_pool, v_pool = write(k_pool, v_pool, split(kn_Nx1xKxE[:, 0]), split(vn_Nx1xKxE[:, 0]),
+                           jax.tree.map(split, app))
     k_l, v_l = (k_pool, v_pool) if layer is None else (k_pool[layer], v_pool[layer])
-    o_NxHxE = paged_attention.paged_decode_attention(
-        q_Nx1xHxE[:, 0], k_l, v_l, cache.table, cache.length + app.ok, impl=impl)
+    attend = shardwise(functools.partial(paged_attention.paged_decode_attention, impl=impl))
+    o_NxHxE = attend(split(q_Nx1xHxE[:, 0]), k_l, v_l, cache.table,
+                     cache.length + split(app.ok)).reshape(n, -1, q_Nx1xHxE.shape[-1])
     return self.o_proj(o_NxHxE[:, None], x_Nx1xD.dtype), (k_pool, v_pool)
 
 
@@ -406,7 +417,7 @@ class Qwen2ForCausalLM(nnx.Module):
     [N, V], the cache (lengths counted) and the `Append`: a slot with ``out_of_pages`` wrote
     nothing and its logits are not to be used."""
     cfg = self.config
-    cache, app = paged_kv.reserve_append(cache, active_N)
+    cache, app = paged_kv.on_shards(paged_kv.reserve_append, cache, active_N)
     pos_Nx1 = positions_N[:, None]
     x_Nx1xD = self._embed_step(tokens_N)
     if cfg.scan_layers:
@@ -425,17 +436,21 @@ class Qwen2ForCausalLM(nnx.Module):
         v.append(v_pool)
       k, v = tuple(k), tuple(v)
     logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
-    return logits_NxV, paged_kv.commit_append(cache.replace(k=k, v=v), app), app
+    return logits_NxV, paged_kv.on_shards(paged_kv.commit_append, cache.replace(k=k, v=v),
+                                          app), app
 
   def init_paged_cache(self, num_slots: int, num_pages: int, page_size: int,
-                       max_pages_per_slot: int, dtype: Any = None) -> PagedKVCache:
-    """An empty paged cache: every page free, every slot empty."""
+                       max_pages_per_slot: int, dtype: Any = None, shards: int | None = None
+                       ) -> PagedKVCache:
+    """An empty paged cache: every page free, every slot empty (`shards`: S pools of
+    `num_pages`, `PagedKVCache`)."""
     cfg = self.config
     return PagedKVCache.zeros(num_layers=cfg.num_hidden_layers, num_slots=num_slots,
                               num_pages=num_pages, page_size=page_size,
                               max_pages_per_slot=max_pages_per_slot,
                               kv_heads=cfg.num_key_value_heads, head_dim=cfg.dim_per_head,
-                              dtype=dtype or cfg.jnp_dtype, stacked=cfg.scan_layers)
+                              dtype=dtype or cfg.jnp_dtype, stacked=cfg.scan_layers,
+                              shards=shards)
 
   def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
                attention_mask_BxT: jax.Array | None = None) -> jax.Array:

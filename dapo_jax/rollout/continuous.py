@@ -251,7 +251,7 @@ class ContinuousStream:
         grp.done += 1
         if grp.done == self._g:
           finished.append(sq)
-    for owner_id in np.asarray(out.preempted_K)[:int(out.steps)]:
+    for owner_id in np.asarray(out.preempted_KxS)[:int(out.steps)].reshape(-1):
       if owner_id >= 0:  # decoded again from its first token, ahead of new prompts
         sq, g = divmod(int(owner_id), self._g)
         grp = self._groups[sq]
@@ -340,8 +340,10 @@ class ContinuousSampler:
     self.kv_cache, self.page_size, self.kv_pages = kv_cache, page_size, kv_pages
     self.kv_hbm_fraction, self.attention_impl = kv_hbm_fraction, attention_impl
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self.batch_shards = 1  # data shards of the slots (and paged pools)
     if self.mesh is not None:
-      shards = math.prod(shd.batch_axes(self.mesh, shd.SAMPLE_RULES).values())
+      shards = self.batch_shards = math.prod(
+          shd.batch_axes(self.mesh, shd.SAMPLE_RULES).values())
       if num_slots % shards:
         raise ValueError(
             f"rollout.max_concurrent_decodes={num_slots} slots do not split over the mesh's "
@@ -387,7 +389,8 @@ class ContinuousSampler:
       raise ValueError(
           f"rollout.kv_pages={pages} pages of {t} tokens cannot hold a {prompt_length}-token "
           f"prompt and one {cache_length}-token sample; use at least {smallest}.")
-    return prog.PagedSpec(num_pages=pages, page_size=t, impl=self.attention_impl)
+    return prog.PagedSpec(num_pages=pages, page_size=t, impl=self.attention_impl,
+                          shards=self.batch_shards)
 
   def _pages_in_budget(self, state: nnx.State, page_size: int) -> int:
     """Pages that `kv_hbm_fraction` of the first device's free memory holds (per device, a

@@ -54,10 +54,13 @@ SMALL_ADMIT = 4  # admission variant for steps with few free slots
 
 @dataclasses.dataclass(frozen=True)
 class PagedSpec:
-  """A paged engine's pool (static: part of the compiled programs' shape)."""
-  num_pages: int  # pages in the pool
+  """A paged engine's pools (static: part of the compiled programs' shape): one pool per data
+  shard (S = the mesh's batch shards), each serving that shard's N/S slots; every queued
+  prompt is written into each shard's pool, so any slot can take it."""
+  num_pages: int  # pages in each shard's pool
   page_size: int  # tokens per page
   impl: str = "auto"  # decode attention kernel (`models/paged_attention.py`)
+  shards: int = 1
 
   def max_pages(self, cache_length: int) -> int:
     """Most pages one slot holds: its prompt plus its response."""
@@ -68,7 +71,8 @@ class PagedSpec:
 class Queue:
   """Q prefilled prompts whose samples wait for slots."""
   cache: KVCache | None  # dense: [Q, P]
-  pages: jax.Array | None  # paged: [Q, M] int32 the prompt's pages (-1 none), held until placed
+  pages: jax.Array | None  # paged: [S, Q, M] int32 the prompt's pages in each shard's pool
+  # (-1 none), held until every sample is placed
   hidden: jax.Array  # [Q, D] hidden state at the prompt's last token
   position: jax.Array  # [Q] int32 prompt tokens = position of the first response token
   key_id: jax.Array  # [Q] int32 prompt index (first fold of the request keys)
@@ -103,9 +107,9 @@ class ChunkOut:
   done_KxN: jax.Array  # the token ended its sample
   steps: jax.Array  # [] decode steps run
   queued: jax.Array  # [Q] samples of each entry not yet in a slot (0: entry free)
-  preempted_K: jax.Array  # [K] int32 owner preempted at each step, -1 none (paged)
+  preempted_KxS: jax.Array  # [K, S] int32 owner each shard preempted at each step, -1 none
   stalls: jax.Array  # [] int32 slot-steps that waited for a page (paged)
-  free_pages: jax.Array  # [] int32 free pages after the chunk (paged; -1 dense)
+  free_pages: jax.Array  # [] int32 free pages of the fullest shard after the chunk (-1 dense)
   lost: jax.Array  # [] int32 the engine's `lost`
 
 
@@ -136,12 +140,13 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
           k=per_layer(kv, decode.cache.k), v=per_layer(kv, decode.cache.v),
           valid=_slot_rows(decode.cache.valid)))
     else:
-      # One pool whose pages any slot may use: heads split over `tensor`, pages whole on every
-      # batch shard (a pool per data shard, with shard-local page ids, is not built yet).
+      # A pool per data shard ([S, ...] over the batch axes), KV heads split over `tensor`.
       pool = model.init_paged_cache(num_slots, paged.num_pages, paged.page_size,
-                                    paged.max_pages(cache_length))
-      heads = lambda x: shd.constrain(x, ("kv_heads", None, None, None))
-      pool = pool.replace(k=per_layer(heads, pool.k), v=per_layer(heads, pool.v))
+                                    paged.max_pages(cache_length), shards=paged.shards)
+      heads = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None, None))
+      pool = pool.replace(k=per_layer(heads, pool.k), v=per_layer(heads, pool.v),
+                          refcount=_slot_rows(pool.refcount), table=_slot_rows(pool.table),
+                          length=_slot_rows(pool.length))
       decode = sl.empty_decode_state(model, num_slots, 1).replace(cache=pool)
     zn = jnp.zeros((num_slots,), jnp.int32)
     slots = Slots(decode=decode, live=_slot_rows(zn.astype(bool)), owner=_slot_rows(zn - 1),
@@ -157,7 +162,8 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
       qcache, pages = qcache.replace(k=per_layer(heads, qcache.k),
                                      v=per_layer(heads, qcache.v)), None
     else:
-      qcache, pages = None, jnp.full((queue_size, paged.max_pages(cache_length)), -1, jnp.int32)
+      qcache, pages = None, _slot_rows(jnp.full(
+          (paged.shards, queue_size, paged.max_pages(cache_length)), -1, jnp.int32))
     queue = Queue(cache=qcache, pages=pages,
                   hidden=jnp.zeros((queue_size, model.config.hidden_size),
                                    model.config.jnp_dtype),
@@ -180,14 +186,19 @@ def enqueue_program(state, engine: Engine, tokens_MxP, true_length_M, key_id_M, 
   put = lambda dst, src: dst.at[entry_M].set(src.astype(dst.dtype), mode="drop")
   if q.pages is None:
     qcache, pages = q.cache.insert(cache, entry_M), None
-  else:  # the prompt's pages, written once; a prompt the pool cannot take is counted, loudly
+  else:  # the prompt's pages, written once per shard; a prompt a pool cannot take is counted
     real_M = entry_M < q.seq.shape[0]
-    pool, pages_MxM, ok_M = paged_kv.alloc_prompts(d.cache, position_M, real_M)
-    pool = paged_kv.write_prompts(pool, pages_MxM, cache.k, cache.v, position_M)
+    pool, pages_SxMxP, ok_SxM = jax.vmap(paged_kv.alloc_prompts, in_axes=(0, None, None))(
+        d.cache, position_M, real_M)
+    ok_M = ok_SxM.all(0)
+    pages_SxMxP = jnp.where(ok_M[None, :, None], pages_SxMxP, -1)
+    pool = jax.vmap(paged_kv.release)(pool, jnp.where(ok_M[None, :, None], -1, pages_SxMxP))
+    pool = jax.vmap(paged_kv.write_prompts, in_axes=(0, 0, None, None, None))(
+        pool, pages_SxMxP, cache.k, cache.v, position_M)
     lost = lost + (real_M & ~ok_M).sum(dtype=jnp.int32)
     entry_M = jnp.where(ok_M, entry_M, q.seq.shape[0])
     d = d.replace(cache=pool)
-    qcache, pages = None, put(q.pages, pages_MxM)
+    qcache, pages = None, q.pages.at[:, entry_M].set(pages_SxMxP, mode="drop")
   queue = Queue(cache=qcache, pages=pages, hidden=put(q.hidden, h_MxD),
                 position=put(q.position, position_M), key_id=put(q.key_id, key_id_M),
                 seq=put(q.seq, seq_M), budget=put(q.budget, budget_MxG),
@@ -265,11 +276,17 @@ def _place(engine: Engine, adm: _Admission) -> Engine:
         0, adm.count,
         lambda i, c: c.copy_row(q.cache, adm.entry[i], adm.slot[i], adm.position[i]), d.cache)
     q = q.replace(waiting=adm.waiting)
-  else:
-    cache = paged_kv.attach(d.cache, adm.slot, q.pages[adm.entry], adm.position)
+  else:  # each shard attaches its own slots (global slot n: shard n // (N/S))
+    ns = d.cache.table.shape[1]
+
+    def attach(c, shard, pages_QxM):
+      local_A = jnp.where(adm.slot // ns == shard, adm.slot % ns, ns)
+      return paged_kv.attach(c, local_A, pages_QxM[adm.entry], adm.position)
+
+    cache = jax.vmap(attach)(d.cache, jnp.arange(d.cache.shards), q.pages)
     emptied_Q = q.waiting.any(1) & ~adm.waiting.any(1)
-    cache = paged_kv.release(cache, jnp.where(emptied_Q[:, None], q.pages, -1))
-    q = q.replace(waiting=adm.waiting, pages=jnp.where(emptied_Q[:, None], -1, q.pages))
+    cache = jax.vmap(paged_kv.release)(cache, jnp.where(emptied_Q[None, :, None], q.pages, -1))
+    q = q.replace(waiting=adm.waiting, pages=jnp.where(emptied_Q[None, :, None], -1, q.pages))
   put = lambda dst, src: dst.at[adm.slot].set(src.astype(dst.dtype), mode="drop")
   zeros = jnp.zeros_like(adm.slot)
   decode = d.replace(cache=cache, token=put(d.token, adm.token),
@@ -292,14 +309,20 @@ def _decode(model, s: Slots, params: SamplingParams, paged: PagedSpec | None):
 
 
 def _preempt(s: Slots, decode: sl.DecodeState, live_N: jax.Array, short_N: jax.Array):
-  """When a slot found no page, the youngest live sample (largest owner) gives back its pages
-  and leaves (the host re-queues it). Returns the decode state, live slots and its owner (-1)."""
-  n = live_N.shape[0]
-  victim = jnp.argmax(jnp.where(live_N, s.owner, -1))
-  victim_N = jnp.any(short_N) & live_N & (jnp.arange(n) == victim)
-  owner = jnp.where(jnp.any(victim_N), s.owner[victim], -1)
-  return decode.replace(cache=paged_kv.free_slots(decode.cache, victim_N)), live_N & ~victim_N, \
-      owner
+  """In each shard where a slot found no page, the youngest live sample (largest owner) gives
+  back its pages and leaves (the host re-queues it). Returns the decode state, the live slots
+  and each shard's preempted owner [S] (-1 none)."""
+  shards = decode.cache.shards
+  rows = lambda x: x.reshape(shards, -1)
+  live, owner = rows(live_N), rows(s.owner)
+  victim_S = jnp.argmax(jnp.where(live, owner, -1), axis=1)
+  victim_SxR = (rows(short_N).any(1)[:, None] & live
+                & (jnp.arange(live.shape[1])[None] == victim_S[:, None]))
+  owner_S = jnp.where(victim_SxR.any(1), jnp.take_along_axis(owner, victim_S[:, None], 1)[:, 0],
+                      -1)
+  victim_N = victim_SxR.reshape(-1)
+  cache = paged_kv.on_shards(paged_kv.free_slots, decode.cache, victim_N)
+  return decode.replace(cache=cache), live_N & ~victim_N, owner_S
 
 
 @flax.struct.dataclass
@@ -336,9 +359,10 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
       # branch returning the engine made XLA copy the whole KV cache twice per step.
       can = jnp.minimum((~e.slots.live).sum(), queued(e))
       limit = jnp.asarray(n, jnp.int32)
-      if paged is not None:  # a free page per live slot stays in reserve
+      if paged is not None:  # a free page per live slot stays in reserve, in every shard
+        live_S = e.slots.live.reshape(paged.shards, -1).sum(1, dtype=jnp.int32)
         limit = jnp.where(c.short, 0, jnp.maximum(
-            e.slots.decode.cache.free_pages() - e.slots.live.sum(dtype=jnp.int32), 0))
+            (e.slots.decode.cache.free_pages() - live_S).min(), 0))
         can = jnp.minimum(can, limit)
       sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
       branches = [functools.partial(_no_admission, pad_to=max_admit)] + [
@@ -354,9 +378,10 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
       live_N = s.live & ~done_N
       o = c.out
       if paged is not None:
-        decode = decode.replace(cache=paged_kv.free_slots(decode.cache, done_N))
-        decode, live_N, victim = _preempt(s, decode, live_N, short_N)
-        o = o.replace(preempted_K=o.preempted_K.at[c.step].set(victim),
+        decode = decode.replace(cache=paged_kv.on_shards(paged_kv.free_slots, decode.cache,
+                                                         done_N))
+        decode, live_N, victim_S = _preempt(s, decode, live_N, short_N)
+        o = o.replace(preempted_KxS=o.preempted_KxS.at[c.step].set(victim_S),
                       stalls=o.stalls + short_N.sum(dtype=jnp.int32))
       put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (c.step, 0))
       out = o.replace(tokens_KxN=put(o.tokens_KxN, fed_N),
@@ -372,12 +397,13 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
     out = ChunkOut(tokens_KxN=full(0, jnp.int32), logprobs_KxN=full(0.0, jnp.float32),
                    owner_KxN=full(-1, jnp.int32), done_KxN=full(False, bool), steps=zero,
                    queued=engine.queue.waiting.sum(1, dtype=jnp.int32),
-                   preempted_K=jnp.full((chunk_steps,), -1, jnp.int32), stalls=zero,
+                   preempted_KxS=jnp.full((chunk_steps, paged.shards if paged else 1), -1,
+                                          jnp.int32), stalls=zero,
                    free_pages=zero - 1, lost=engine.lost)
     last = jax.lax.while_loop(cond, body, _Carry(step=zero, engine=engine, out=out,
                                                  short=jnp.zeros((), bool)))
     e = last.engine
-    free = e.slots.decode.cache.free_pages() if paged is not None else zero - 1
+    free = e.slots.decode.cache.free_pages().min() if paged is not None else zero - 1
     out = last.out.replace(steps=last.step, queued=e.queue.waiting.sum(1, dtype=jnp.int32),
                            free_pages=free, lost=e.lost)
     out = jax.tree.map(_replicated, out)
