@@ -30,21 +30,26 @@ from dapo_jax.models import default_positions
 from dapo_jax.sharding import constrain
 
 
-def fixed_order_sum(x_xN: jax.Array) -> jax.Array:
-  """Sum over the last axis in an order fixed by its length alone: zero-padded to a power of
-  two, then halves added pairwise (x[:h] + x[h:], log2 N times).
+def fixed_order_sum(x_xN: jax.Array, radix: int = 16) -> jax.Array:
+  """Sum over the last axis in an order fixed by its length alone: the axis, zero-padded to a
+  multiple of ``radix``, is cut into ``radix`` equal blocks that are added elementwise left to
+  right, until one value is left (log_radix N rounds).
 
   `jnp.sum` lets XLA pick the accumulation order by the whole shape: on CPU the same row summed
-  in a [B, V] array and in a [B, C, V] one differed by 1 ULP on 12-18% of rows (measured, tiny
+  in a [B, V] array and in a [B, C, V] one differed by 1 ULP on 10-18% of rows (measured, tiny
   model). Elementwise adds have one rounding each, so this sum is the same bits for a row
-  whatever the other axes are (a decode step's [N, V], a training chunk's [B, C, V]).
+  whatever the other axes are (a decode step's [N, V], a training chunk's [B, C, V]). Radix 16
+  (each round one fused pass) took about half the time of pairwise halving at V = 151,936.
   """
-  n = x_xN.shape[-1]
-  width = 1 << max(n - 1, 0).bit_length()
-  x = jnp.pad(x_xN, [(0, 0)] * (x_xN.ndim - 1) + [(0, width - n)])
+  x = x_xN
   while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
+    width = -(-x.shape[-1] // radix)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, radix * width - x.shape[-1])])
+    blocks = x.reshape(*x.shape[:-1], radix, width)
+    acc = blocks[..., 0, :]
+    for i in range(1, radix):
+      acc = acc + blocks[..., i, :]
+    x = acc
   return x[..., 0]
 
 
