@@ -67,7 +67,8 @@ def main() -> None:
   d, p = runs["dense"], runs["paged"]
   same = all(a.get(k) == b.get(k) for a, b in zip(d, p) for k in keys) and len(d) == len(p)
   summary["same_learning_metrics"] = same and summary["dense"]["eval"] == summary["paged"]["eval"]
-  summary["rollout_paged_over_dense"] = summary["paged"]["rollout_s"] / summary["dense"]["rollout_s"]
+  rollout = {kv: summary[kv]["rollout_s"] for kv in runs}
+  summary["rollout_paged_over_dense"] = rollout["paged"] / rollout["dense"]
   print(json.dumps({k: v for k, v in summary.items() if k not in ("dense", "paged")}, indent=1))
   print("held-out:", {kv: summary[kv]["eval"] for kv in runs})
   os.makedirs(os.path.dirname(os.path.join(ROOT, args.out)), exist_ok=True)

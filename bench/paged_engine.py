@@ -9,12 +9,14 @@ length as its own budget, so every engine decodes exactly the same tokens. Four 
 1. speed: decode tokens/s, paged vs dense, at response capacity `--capacity` (4,096) with the
    mix's maximum `--mix_max` (1,024: mean ~256 tokens). Goal: paged >= 3x dense.
 2. growth: the paged engine's time per token at capacities 512 and 16,384 with one mix that
-   fits both (maximum 512). Goal: within 1.3x.
+   fits both (maximum 512) and one pool (`--growth_pages`: a pool is sized by memory, not by
+   capacity), and with each capacity's default CPU pool (every slot at full length). Goal:
+   within 1.3x.
 3. memory: slots that one KV budget holds (the dense engine's `--slots` slots at the capacity),
    paged vs dense: the paged engine gets that many tokens as pages and 4x the slots, and
    its concurrency is measured (mean live slots per decode step) and its preemptions counted.
-4. preemption: the paged engine on a pool a quarter that size: preemptions, the tokens decoded
-   again, wall time against the unpreempted pool, and that the outputs are identical.
+4. preemption: the paged engine on a pool a sixteenth of that size: preemptions, the tokens
+   decoded again, wall time against the unpreempted pool, and that the outputs are identical.
 
 Every run's tokens are checked equal to the dense engine's (log-probs to 1e-5). Timings: each
 engine compiled by a warm-up call, then timed alternately (`--repeats`, best kept): the machine
@@ -105,6 +107,7 @@ def main() -> None:
   ap.add_argument("--capacity", type=int, default=4096)
   ap.add_argument("--mix_max", type=int, default=1024)
   ap.add_argument("--page_size", type=int, default=16)
+  ap.add_argument("--growth_pages", type=int, default=2048, help="the growth runs' pool")
   ap.add_argument("--chunk_steps", type=int, default=32)
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--out", default="bench/results/paged_engine.json")
@@ -132,13 +135,20 @@ def main() -> None:
   # 2. Paged time per token at two capacities, one mix that fits both.
   small = Workload(cfg, args, 512, seed=1)
   caps = (512, 16384)
-  engines = {c: _engine(graphdef, args, **paged) for c in caps}
-  t2 = _time({f"paged@{c}": _call(engines[c], state, small, c) for c in caps}, args.repeats)
-  assert _same(t2["paged@512"][1], t2["paged@16384"][1])
+  runs2 = {}
+  for c in caps:
+    runs2[f"paged@{c}"] = _call(_engine(graphdef, args, kv_pages=args.growth_pages, **paged),
+                                state, small, c)
+    runs2[f"paged@{c}_default_pool"] = _call(_engine(graphdef, args, **paged), state, small, c)
+  t2 = _time(runs2, args.repeats)
+  assert all(_same(v[1], t2["paged@512"][1]) for v in t2.values())
   per_tok = {k: 1e6 * v[0] / int(small.lengths.sum()) for k, v in t2.items()}
-  res["growth"] = {"mean_length": float(small.lengths.mean()),
+  res["growth"] = {"mean_length": float(small.lengths.mean()), "pool_pages": args.growth_pages,
                    **{f"{k}_us_per_token": v for k, v in per_tok.items()},
-                   "ratio": per_tok["paged@16384"] / per_tok["paged@512"]}
+                   **{f"{k}_pages": v[2].kv_pages for k, v in t2.items()},
+                   "ratio": per_tok["paged@16384"] / per_tok["paged@512"],
+                   "ratio_default_pools": per_tok["paged@16384_default_pool"]
+                   / per_tok["paged@512_default_pool"]}
   print("growth", json.dumps(res["growth"]))
 
   # 3. One KV budget: the dense slots at the capacity, as pages for 4x the slots.
@@ -160,11 +170,11 @@ def main() -> None:
                                        / res["memory"]["dense_mean_live_slots"])
   print("memory", json.dumps(res["memory"]))
 
-  # 4. Preemption: a pool a quarter of the budget for the same 4x slots.
-  tight = _engine(graphdef, args, slots=4 * args.slots, kv_pages=pages // 4, **paged)
+  # 4. Preemption: a pool a sixteenth of the budget for the same 4x slots.
+  tight = _engine(graphdef, args, slots=4 * args.slots, kv_pages=pages // 16, **paged)
   t4 = _time({"paged_tight": _call(tight, state, work, args.capacity)}, 1)
   st4 = t4["paged_tight"][2]
-  res["preemption"] = {"kv_pages": pages // 4, "preemptions": st4.preemptions,
+  res["preemption"] = {"kv_pages": pages // 16, "preemptions": st4.preemptions,
                        "preempted_tokens": st4.preempted_tokens,
                        "stalled_slot_steps": st4.stalled_slot_steps,
                        "wall_s": t4["paged_tight"][0], "unpreempted_wall_s": t3["paged_budget"][0],

@@ -74,20 +74,20 @@ def test_paged_engine_draws_the_dense_engines_tokens(split_model, dense, page_si
 def test_paged_slots_sharded_over_a_mesh_match_one_device(split_model, dense):
   ref, _ = dense
   mesh = shd.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
-  out, stats = _generate(*split_model, kv_cache="paged", page_size=4, kv_pages=14, num_slots=8,
+  out, stats = _generate(*split_model, kv_cache="paged", page_size=4, kv_pages=16, num_slots=8,
                          mesh=mesh)
   np.testing.assert_array_equal(out.response_ids, ref.response_ids)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-  # A pool per data shard (4 here), 14 pages of 4 for its 2 slots of up to 33 tokens besides
+  # A pool per data shard (4 here), 16 pages of 4 for its 2 slots of up to 40 tokens besides
   # its copy of the queued prompts: the shards preempt on their own.
   assert stats.preemptions > 0
   sampler = continuous.ContinuousSampler(split_model[0], num_slots=8, max_prefill_length=16,
-                                         mesh=mesh, kv_cache="paged", page_size=4, kv_pages=14)
+                                         mesh=mesh, kv_cache="paged", page_size=4, kv_pages=16)
   stream = sampler.open_stream(split_model[1], params=PARAMS, num_samples=G,
                                key=jax.random.key(0), prompt_length=9)
   k = stream._engine.slots.decode.cache.k[0]  # pylint: disable=protected-access
-  assert k.shape[:3] == (4, 2, 14)  # [S, K, P, T, E]
-  assert k.sharding.shard_shape(k.shape)[:3] == (1, 1, 14)  # a shard's pool, heads split
+  assert k.shape[:3] == (4, 2, 16)  # [S, K, P, T, E]
+  assert k.sharding.shard_shape(k.shape)[:3] == (1, 1, 16)  # a shard's pool, heads split
   stream.close()
 
 
@@ -111,7 +111,9 @@ def test_a_pool_too_small_for_one_sample_is_refused(split_model):
   graphdef, state = split_model
   sampler = continuous.ContinuousSampler(graphdef, num_slots=4, max_prefill_length=16,
                                          kv_cache="paged", page_size=4, kv_pages=10)
-  with pytest.raises(ValueError, match=r"kv_pages=10 .* use at least 13"):
+  # Prompts up to 16 tokens (the prefill bucket of 9) and 24-token responses, pages of 4:
+  # 4 pages for a prompt, 10 for a sample, 1 for its copy-on-write.
+  with pytest.raises(ValueError, match=r"kv_pages=10 .* use at least 15"):
     sampler.open_stream(state, params=PARAMS, num_samples=G, key=jax.random.key(0),
                         prompt_length=9)
   with pytest.raises(ValueError, match="kv_cache='paged_v2'"):

@@ -107,7 +107,7 @@ class ContinuousStream:
       raise ValueError(f"A prompt of {prompt_length} tokens exceeds max_prefill_length="
                        f"{sampler.max_prefill_length}.")
     self._p = sl.prefill_bucket(prompt_length)  # the queue's prompt slots
-    self._max_prompt = prompt_length
+    self._max_prompt = min(self._p, sampler.max_prefill_length)  # the longest `admit` takes
     mesh = sampler.mesh
     if mesh is not None:
       state = jax.device_put(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
@@ -117,7 +117,7 @@ class ContinuousStream:
     key_data = np.asarray(jax.device_get(jax.random.key_data(key) if is_typed else key))
     self._queue_size = sampler.queue_prompts(num_samples)
     cache_length = self._p + params.max_new_tokens
-    self._paged = sampler.paged_spec(self._state, prompt_length, params.max_new_tokens,
+    self._paged = sampler.paged_spec(self._state, self._max_prompt, params.max_new_tokens,
                                      self._queue_size)
     self._progs = sampler.programs(self._state, queue_size=self._queue_size,
                                    num_samples=num_samples, prompt_length=self._p,
@@ -150,7 +150,7 @@ class ContinuousStream:
     r = self._params.max_new_tokens
     if ids.size == 0:
       raise ValueError("A prompt needs at least one token.")
-    limit = min(self._p, self._s.max_prefill_length)
+    limit = self._max_prompt
     if ids.size > limit:
       raise ValueError(f"A prompt has {ids.size} tokens; this stream takes at most {limit} "
                        f"(max_prefill_length {self._s.max_prefill_length}).")
@@ -265,8 +265,12 @@ class ContinuousStream:
   def poll(self) -> list[FinishedGroup]:
     finished: list[int] = []
     while self._groups and not finished:
+      before = (self._stats.enqueues, self._stats.decode_steps)
       self._enqueue()
       finished = self._chunk()
+      if (self._stats.enqueues, self._stats.decode_steps) == before:  # never spin silently
+        raise RuntimeError(f"The continuous engine made no progress with {len(self._groups)} "
+                           "prompt(s) pending; please report this with the config.")
     return [self._finish(sq) for sq in sorted(finished)]
 
   def _finish(self, seq: int) -> FinishedGroup:
