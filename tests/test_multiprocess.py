@@ -1,5 +1,5 @@
 """Multi-controller SPMD on localhost: 2 processes x 4 CPU devices train exactly like 1 x 8
-(the continuous engine with a paged KV cache that preempts).
+(the continuous engine with a paged KV cache, a pool per data shard).
 
 The two runs share nothing but the config: the 2-process run starts `jax.distributed` (gloo CPU
 collectives), each process loads its own share of the prompts, verifies its own share of the
@@ -37,10 +37,12 @@ def _config():
   c.rollout.prompts_per_call = 4
   # The continuous engine (the default), 8 slots for 4 x 4 rows per call: slots are refilled
   # inside the compiled loop, from the same host schedule on both processes.
-  # The paged engine on a pool too small for 8 full samples: both runs preempt, on replicated
-  # chunk outputs, the same samples.
+  # The paged engine on the smallest pool it accepts (any preemption is the same in both runs:
+  # every process takes its decisions from the same replicated chunk outputs).
+  # A pool per data shard (4 shards of 2 slots), 11 pages of 8 tokens each: the least a
+  # 32-token prompt bucket and one full 12-token sample accept.
   c.rollout.update(engine="continuous", max_concurrent_decodes=8, kv_cache="paged", page_size=8,
-                   kv_pages=24)
+                   kv_pages=11)
   c.optim.update(train_batch_size=4, mini_batch_size=2, micro_batch_size=8)
   c.checkpoint.update(save_every=NUM_STEPS, async_save=False)
   c.mesh = [("data", 2), ("fsdp", -1), ("tensor", 2)]
@@ -121,7 +123,6 @@ def test_two_processes_match_one(tmp_path):
   assert sum(w["rows_scored"] for w in workers) == single["rows_scored"]
 
   m1, m2 = _metrics(one), _metrics(two)
-  assert sum(m["sampling/preemptions"] for m in m1) > 0  # the small pool did preempt
   assert [m["step"] for m in m1] == [m["step"] for m in m2] == list(range(1, NUM_STEPS + 1))
   for a, b in zip(m1, m2):
     # Host-side decisions are identical: same kept groups, same rewards.
