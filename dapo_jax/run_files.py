@@ -153,9 +153,10 @@ def _is_closed_loop_callback(exc_type, exc, tb) -> bool:
 
 
 def quiet_storage_tracebacks() -> None:
-  """Installs the filter on the loggers of gcsfs and Orbax (absl), and the unraisable-hook
+  """Installs the filter on the loggers of gcsfs, fsspec's read-ahead (a logger's filter does
+  not see its children's records, so each is named) and Orbax (absl), and the unraisable-hook
   wrapper for TensorStore's callbacks, once; idempotent."""
-  for name in ("gcsfs", "absl"):
+  for name in ("gcsfs", "fsspec", "fsspec.prefetcher", "absl"):
     logger = logging.getLogger(name)
     if _DROP_HANDLED not in logger.filters:
       logger.addFilter(_DROP_HANDLED)
