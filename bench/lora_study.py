@@ -6,7 +6,7 @@
       --sft_steps 2 --eval_every 2 --smoke --results /tmp/lora_smoke   # smoke test
 
 Every run is `dapo-train --config configs/tiny_cpu.py:dapo` from the warm start of its seed
-(bench/table1_cpu.py's, shared with the ablation: `<results>/warm_starts/`), with
+(bench/table1_cpu.py's, shared with the ablation: `<--warm_starts>/warm_starts/`), with
 `model.lora.rank=r` (alpha = 2r) or full fine-tuning. LoRA needs a larger learning rate: first
 a sweep on seed 0 (`--sweep_steps` steps, lr = config lr x each of `--lr_mults`) picks each
 rank's rate by held-out avg@k after the sweep; the sweep results stay in `<results>/sweep/`.
@@ -41,14 +41,14 @@ SMOKE = []  # --smoke: dynamic sampling off (a 2-step warm start answers everyth
 
 
 def run_one(results: str, group: str, rank: int, lr: float, seed: int, spec: t1.Spec,
-            scratch: str) -> dict[str, Any]:
+            scratch: str, warm_starts: str) -> dict[str, Any]:
   """One run's result JSON (made now unless it exists)."""
   name = variant_name(rank, lr)
   path = t1.result_path(os.path.join(results, group), name, seed)
   done = t1.load_result(path, spec)
   if done is not None:
     return done
-  warm, warm_hash = t1.ensure_warm_start(results, seed, spec.sft_steps)
+  warm, warm_hash = t1.ensure_warm_start(warm_starts, seed, spec.sft_steps)
   workdir = os.path.join(scratch, group, name, f"seed{seed}")
   extra = [f"--config.optim.lr={lr}", *SMOKE]
   if rank:
@@ -105,6 +105,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "lora_study"))
   p.add_argument("--scratch", default="/tmp/dapo_lora_study")
+  p.add_argument("--warm_starts", default=os.path.join(ROOT, "bench", "results", "ablation"),
+                 help="results dir whose warm_starts/ to train from (the ablation's by default, "
+                      "so LoRA and the Table-1 rows start from the same weights)")
   p.add_argument("--ranks", default="1,8,32")
   p.add_argument("--lr_mults", default="3,10,30", help="LoRA lr = config lr x each")
   p.add_argument("--seeds", default="0,1,2")
@@ -133,7 +136,7 @@ def main(argv=None):
       if budget[0] <= 0:
         return None
       budget[0] -= 1
-    return run_one(args.results, group, rank, lr, seed, spec, args.scratch)
+    return run_one(args.results, group, rank, lr, seed, spec, args.scratch, args.warm_starts)
 
   chosen = {}
   for rank in ranks:  # the learning-rate sweep, seed 0
