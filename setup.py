@@ -71,6 +71,7 @@ EXTRAS_REQUIRE = {
 setuptools.setup(
     name="dapo_jax",
     version="0.1.0",
+    license="Apache-2.0",
     description="DAPO reinforcement learning for LLMs in JAX / Flax NNX",
     packages=setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]),
     python_requires=">=3.11",
