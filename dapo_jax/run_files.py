@@ -221,27 +221,6 @@ def write_final_metrics(workdir: epath.PathLike, result: dict[str, Any]) -> None
     write_text_atomic(workdir / FINAL_METRICS_FILE, json.dumps(result, indent=2))
 
 
-def write_final_files(workdir: epath.PathLike, result: dict[str, Any]) -> list[dict[str, Any]]:
-  """End of a run: ``curves.png`` and ``final_metrics.json``; returns the rows of metrics.jsonl.
-
-  The metrics are written by process 0 only, so only process 0 draws and returns them (other
-  processes get []; on a local disk of another host the file does not exist).
-  """
-  from dapo_jax import metrics  # pylint: disable=g-import-not-at-top  (metrics imports us)
-  import jax  # pylint: disable=g-import-not-at-top
-  workdir = resolve(workdir)
-
-  def write() -> list[dict[str, Any]]:
-    rows = []
-    if jax.process_index() == 0:
-      metrics.plot_curves(workdir / metrics.METRICS_FILE, workdir / CURVES_FILE)
-      rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
-    write_final_metrics(workdir, result)
-    return rows
-  # The checkpoint and the metrics are written by now: a brief outage here must not fail the run.
-  return retry_transient(write, what=f"Final files of {workdir}", timeout_s=FINAL_RETRY_S)
-
-
 def read_json(path: epath.PathLike) -> Any:
   """A JSON file, local or remote; a missing file raises FileNotFoundError naming it."""
   path = resolve(path)

@@ -23,6 +23,7 @@ import numpy as np
 
 from dapo_jax import compile_cache
 from dapo_jax import config as config_lib
+from dapo_jax import curves
 from dapo_jax import diagnostics
 from dapo_jax import distributed
 from dapo_jax import evaluate as eval_lib
@@ -184,7 +185,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       writer.write_scalars(config.num_steps, final)
       result.update(final)
     writer.flush()
-    rows = run_files.write_final_files(workdir, result)  # curves.png, final_metrics.json
+    rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
     _log_held_out(config, workdir, evaluator.headline, rows)
     return result
 

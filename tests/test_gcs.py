@@ -22,6 +22,7 @@ import pytest
 from etils import epath
 
 from dapo_jax import compile_cache
+from dapo_jax import curves
 from dapo_jax import metrics
 from dapo_jax import run_files
 from dapo_jax.checkpoints import orbax as ock
@@ -92,7 +93,7 @@ def test_metrics_writer_on_gcs_resumes_like_local(gcs, bucket, tmp_path):
     assert [(r["step"], r["reward_mean"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.33)]
     samples = (root / metrics.SAMPLES_FILE).read_text().splitlines()
     assert [json.loads(s)["step"] for s in samples] == [1, 2]
-    metrics.plot_curves(root / metrics.METRICS_FILE, root / "curves.png")
+    curves.plot_curves(root / metrics.METRICS_FILE, root / "curves.png")
     assert (root / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     scalars = _scalars(root / metrics.TB_SUBDIR)
     assert scalars[("reward_mean", 4)] == pytest.approx(0.4)  # first writer's events

@@ -11,6 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from dapo_jax import metrics as M
+from dapo_jax import curves
 
 
 def _lines(path):
@@ -124,7 +125,7 @@ def test_plot_curves_png(tmp_path):
       if step % 10 == 0:
         w.write_scalars(step, {"eval/avg@32": step / 100, "eval/num_problems": 30})
   out = tmp_path / "curves.png"
-  titles = M.plot_curves(tmp_path / M.METRICS_FILE, out)
+  titles = curves.plot_curves(tmp_path / M.METRICS_FILE, out)
   assert titles == ["reward / accuracy (train)", "held-out accuracy", "clip fraction",
                     "grad norm", "dynamic sampling: group ratios",
                     "generation batches per step"]
@@ -134,10 +135,10 @@ def test_plot_curves_png(tmp_path):
   img = matplotlib.image.imread(out)
   assert img.shape[0] > 300 and img.shape[1] > 1000  # 2 rows x 3 columns of panels.
   assert img.std() > 0.01  # Not a blank canvas.
-  assert M.plot_curves(tmp_path / M.METRICS_FILE, tmp_path / "one.png",
+  assert curves.plot_curves(tmp_path / M.METRICS_FILE, tmp_path / "one.png",
                        ["actor/grad_norm"]) == ["actor/grad_norm"]
   with pytest.raises(ValueError, match="actor/grad_norm"):
-    M.plot_curves(tmp_path / M.METRICS_FILE, tmp_path / "none.png", ["nothing*"])
+    curves.plot_curves(tmp_path / M.METRICS_FILE, tmp_path / "none.png", ["nothing*"])
 
 
 def test_progress_bar_fields():
