@@ -1,0 +1,100 @@
+"""The run spec: frozen typed sections that mirror the config schema key for key."""
+
+import dataclasses
+import glob
+import os
+import typing
+
+import ml_collections
+import pytest
+
+from dapo_jax import config as config_lib
+from dapo_jax import run_setup
+from dapo_jax.run_spec import Mesh, RunSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(path, arg=None):
+  ns = {"__file__": path}
+  with open(path, encoding="utf-8") as f:
+    exec(compile(f.read(), path, "exec"), ns)  # pylint: disable=exec-used
+  return ns["get_config"](arg)
+
+
+def _config_paths(c, prefix=""):
+  for key in c.keys():
+    if isinstance(c[key], ml_collections.ConfigDict) and prefix + key != "model.overrides":
+      yield from _config_paths(c[key], prefix + key + ".")
+    else:
+      yield prefix + key
+
+
+def _spec_paths(cls, prefix=""):
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    if not f.init:
+      continue
+    if dataclasses.is_dataclass(hints[f.name]):
+      yield from _spec_paths(hints[f.name], prefix + f.name + ".")
+    else:
+      yield prefix + f.name
+
+
+def test_spec_mirrors_the_config_schema_key_for_key():
+  # A key added to default_config() without a spec field (or the reverse) fails here.
+  assert sorted(_spec_paths(RunSpec)) == sorted(_config_paths(config_lib.default_config()))
+
+
+def test_spec_is_typed_frozen_and_derives_the_sizes():
+  config = _load(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  spec = RunSpec.from_config(config, num_devices=8)
+  o, n = config.optim, config.rollout.n
+  assert spec.sizes.rows_per_update == o.mini_batch_size * n == 32
+  assert spec.sizes.micro_batches_per_update == 1  # micro 64 >= 32 rows: one pass
+  assert spec.sizes.updates_per_step == o.train_batch_size // o.mini_batch_size == 4
+  assert spec.sizes.rows_per_step == o.train_batch_size * n
+  assert spec.sizes.prompts_per_call == config.algorithm.gen_batch_size  # 0 = all at once
+  assert spec.sizes.max_length == 24 + 32
+  assert spec.mesh == (("data", 1), ("fsdp", -1), ("tensor", 1)) and spec.rollout_mesh == ()
+  assert isinstance(spec.algorithm.rollout_is_band, tuple) and isinstance(spec.optim.lr, float)
+  assert spec.model.overrides["hidden_size"] == 128
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    spec.optim.lr = 1.0  # type: ignore[misc]
+  with pytest.raises(TypeError, match="does not support item assignment"):
+    spec.model.overrides["hidden_size"] = 1  # type: ignore[index]
+  assert typing.get_type_hints(RunSpec)["mesh"] == Mesh
+
+
+def test_from_config_validates_once_with_the_config_message():
+  config = _load(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  config.optim.mini_batch_size = 5
+  with pytest.raises(config_lib.ConfigError, match=r"config\.optim\.mini_batch_size=5"):
+    RunSpec.from_config(config)
+  config = _load(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  with config.unlocked():
+    config.rollout.temprature = 0.5
+  with pytest.raises(config_lib.ConfigError, match="Did you mean 'rollout.temperature'"):
+    RunSpec.from_config(config)
+
+
+def test_an_older_config_json_reads_with_todays_defaults():
+  config = _load(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  old = ml_collections.ConfigDict(config.to_dict())
+  for section, key in (("rollout", "kv_cache"), ("rollout", "stop_tokens"),
+                       ("algorithm", "rollout_is"), ("algorithm", "rollout_is_band")):
+    del old[section][key]
+  del old["model"]["lora"]
+  spec = RunSpec.from_config(old)
+  default = config_lib.default_config()
+  assert spec.rollout.kv_cache == default.rollout.kv_cache
+  assert spec.algorithm.rollout_is_band == tuple(default.algorithm.rollout_is_band)
+  assert spec.model.lora.rank == 0
+  assert spec.rollout.n == config.rollout.n  # what the file holds wins
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+def test_every_shipped_config_reads_and_gives_the_trainers_update_settings(path):
+  config = _load(path)
+  spec = RunSpec.from_config(config)
+  assert spec.train_config() == run_setup.train_config(config)
