@@ -12,7 +12,9 @@ weights are a HF directory (`--config.model.checkpoint`; tokenizer files from th
 `--config.tokenizer.path`) or a training workdir's Orbax checkpoint (`--workdir`, whose
 config.json names the model). Settings are the trainer's, with one override syntax (`--config
 path --config.x=y`); without `--config` the config is the workdir's, else the float32 defaults
-(`--config.model.param_dtype=bfloat16 --config.model.dtype=bfloat16` for bf16).
+(`--config.model.param_dtype=bfloat16 --config.model.dtype=bfloat16` for bf16). The KV cache is
+`--config.rollout.kv_cache` (auto: paged on TPU/GPU and for long slots on CPU; page_size,
+kv_pages, attention_impl as for rollout; the default pool holds every slot at full length).
 
 Requests are checked before JetStream sees them (`RequestLimits`): an exception in one of its
 driver threads kills the whole server, and a prompt over its prefill length would be silently
@@ -82,6 +84,7 @@ def load_model(config, *, workdir: str | None = None, step: int | None = None,
 def build_engine(fv):
   """The `QwenEngine` the flags describe, sharded over every device by the config's mesh."""
   from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout import factory  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
   config = fv.config
   libtpu_flags.apply(config)
@@ -91,9 +94,11 @@ def build_engine(fv):
   tokenizer_path = config.tokenizer.path or config.model.checkpoint
   sampling = SamplingParams(temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k,
                             max_new_tokens=fv.max_new_tokens)
+  kv = factory.kv_cache_args(config)
+  del kv["kv_hbm_fraction"]  # the pool holds every slot at full length (QwenEngine, kv_pages)
   return QwenEngine(model, tokenizer, max_concurrent_decodes=fv.max_concurrent_decodes,
                     max_prefill_length=fv.max_prefill_length, sampling=sampling,
-                    seed=fv.seed, mesh=mesh, tokenizer_path=tokenizer_path)
+                    seed=fv.seed, mesh=mesh, tokenizer_path=tokenizer_path, **kv)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -322,8 +327,10 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True):
   server = start_server(engine, port=fv.port, host=fv.host, threads=fv.threads,
                         max_request_bytes=fv.max_request_bytes, max_pending=fv.max_pending)
   source = fv.workdir or fv.config.model.checkpoint
+  cache = (f"{engine.paged.num_pages} KV pages of {engine.paged.page_size}" if engine.paged
+           else "dense KV cache")
   print(f"dapo-serve: {source} on {fv.host}:{fv.port} ({fv.max_concurrent_decodes} slots, "
-        f"{jax.device_count()} devices)", flush=True)
+        f"{cache}, {jax.device_count()} devices)", flush=True)
   if not block:
     return server
   server.wait_for_termination()  # stops the driver and the gRPC server on exit

@@ -125,10 +125,13 @@ def _decode(stub, request):
 def test_served_by_jetstream_orchestrator_over_grpc(ckpt, model):
   tokenizer = load_tokenizer(ckpt)
   port = portpicker.pick_unused_port()
-  # Served sharded: params split over tensor=2 (SAMPLE_RULES), slots over data=4.
+  # Served sharded: params split over tensor=2 (SAMPLE_RULES), slots over data=4; the paged KV
+  # cache (the default off CPU and for long slots), 2 slots of ceil(32 / 4) pages.
   server = serve.main([f"--config.model.checkpoint={ckpt}", "--config.mesh=data=4,tensor=2",
+                       "--config.rollout.kv_cache=paged", "--config.rollout.page_size=4",
                        "--port", str(port), "--max_concurrent_decodes", "2",
                        "--max_prefill_length", "16", "--max_new_tokens", "16"], block=False)
+  assert server._driver._generate_engines[0].paged.num_pages == 2 * 8  # pylint: disable=protected-access
   prompts = ["what is 2+3?", "compute 7*8=", "solve x-1=4"]  # 3 requests on 2 slots
   try:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -185,3 +188,77 @@ def test_engine_rejects_bad_settings(model):
   with pytest.raises(NotImplementedError):
     engine.prefill(params=engine.load_params(), existing_prefix=object(),
                    padded_tokens=np.zeros(16, np.int32), true_length=3)
+
+
+def _requests(engine, script):
+  """Runs `script` (("insert", slot, prompt) or ("generate", steps)) on a fresh decode state;
+  returns each inserted request's valid (tokens, log-probs) and the final state."""
+  params, state = engine.load_params(), engine.init_decode_state()
+  out, in_slot = [], {}
+  for op, *args in script:
+    if op == "insert":
+      slot, prompt = args
+      padded, n = _jetstream_pad(prompt)
+      state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n),
+                            state, slot=slot)
+      in_slot[slot] = len(out)
+      out.append(([], []))
+      continue
+    for _ in range(args[0]):
+      state, res = engine.generate(params, state)
+      res = res.convert_to_numpy()
+      for slot, r in in_slot.items():
+        if res.get_result_at_slot(slot).valid[0, 0]:
+          out[r][0].append(int(res.get_result_at_slot(slot).tokens[0, 0]))
+          out[r][1].append(float(res.get_logprobs_at_slot(slot)[0, 0]))
+  return out, state
+
+
+def test_paged_engine_matches_dense_and_frees_pages(model):
+  """Sampled (temperature 1) tokens and log-probs of the paged engine equal the dense engine's,
+  with slots reused after a finished request (its pages freed) and while one runs; every page
+  is back in the pool at the end, and nothing retraces after the first calls."""
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=R)
+  dense, paged = (je.QwenEngine(model, max_concurrent_decodes=3, max_prefill_length=16,
+                                sampling=sampling, seed=3, kv_cache=kv, page_size=4)
+                  for kv in ("dense", "paged"))
+  assert dense.paged is None and paged.paged.num_pages == 3 * 7  # 3 slots x ceil(28 / 4)
+  script = [("insert", 0, NEIGHBOUR), ("generate", 3), ("insert", 2, PROMPT), ("generate", 4),
+            ("insert", 1, [5] * 15), ("generate", 6),  # the first request ends (R tokens)
+            ("insert", 0, PROMPT[:3]),  # into the finished slot
+            ("insert", 2, [9, 1]),  # over a running request
+            ("generate", R + 1)]
+  want, _ = _requests(dense, script)
+  got, state = _requests(paged, script)
+  assert [len(t) for t, _ in got] == [R, 10, R, R, R]  # the second was replaced
+  for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want):
+    assert tokens == ref_tokens[:len(tokens)]
+    np.testing.assert_allclose(logprobs, ref_logprobs[:len(tokens)], atol=1e-6)
+  assert not np.asarray(state.active).any() and int(state.lost) == 0
+  assert int(state.decode.cache.free_pages()) == paged.paged.num_pages
+  assert (np.asarray(state.decode.cache.table) == -1).all()
+  before = je.TRACES.snapshot()
+  again, _ = _requests(paged, script)  # a fresh decode state of the same engine
+  assert je.TRACES.snapshot() == before
+  assert [t for t, _ in again] != [t for t, _ in got]  # the prefill counter moved the keys on
+
+
+def test_paged_engine_pool_too_small_is_an_error(model):
+  kw = dict(max_concurrent_decodes=2, max_prefill_length=16, kv_cache="paged", page_size=4,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=R))
+  with pytest.raises(ValueError, match=r"rollout.kv_pages=6 .* use at least 7"):
+    je.QwenEngine(model, kv_pages=6, **kw)
+  engine = je.QwenEngine(model, kv_pages=7, **kw)  # one full-length request
+  params, state = engine.load_params(), engine.init_decode_state()
+  padded, n = _jetstream_pad(PROMPT)
+  prefix = lambda: engine.prefill(params=params, padded_tokens=padded, true_length=n)
+  state = engine.insert(prefix(), state, slot=0)
+  second = prefix()
+  with pytest.raises(RuntimeError, match=r"rollout.kv_pages=7 .* cannot take a request into "
+                                         r"slot 1.* hold 7"):
+    engine.insert(second, state, slot=1)
+  for _ in range(R):  # the first request ends and gives its pages back
+    state, _ = engine.generate(params, state)
+  state = engine.insert(second, state, slot=1)
+  state, res = engine.generate(params, state)
+  assert res.convert_to_numpy().get_result_at_slot(1).valid[0, 0] and int(state.lost) == 0

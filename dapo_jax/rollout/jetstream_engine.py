@@ -1,11 +1,23 @@
 """Qwen2.5 behind JetStream's `Engine` API: a slot-based KV cache with prefill / insert / generate.
 
-A decode state holds `max_concurrent_decodes` rows (slots) of one KV cache; rows sit at different
-cache indices. `prefill` runs one prompt (right-padded to a bucket) and samples its first response
-token; `insert` copies that prefix into a slot; `generate` feeds every slot's pending token and
-samples the next. All three are module-level programs compiled once per shape, with the model
-state passed as an argument and the decode state donated. The pure pieces behind them (prefill,
-insert, one decode step through the model's `decode_step`) are in `rollout/slots.py`.
+`prefill` runs one prompt (right-padded to a bucket) and samples its first response token;
+`insert` puts that prefix into a slot; `generate` feeds every slot's pending token and samples the
+next. All three are module-level programs compiled once per shape, with the model state passed
+as an argument and the decode state donated. The pure pieces behind them are in
+`rollout/slots.py`. The decode state's KV cache (`kv_cache`, the keys of `rollout.kv_cache`):
+
+* dense: `max_concurrent_decodes` rows of one cache of max_prefill_length + max_new_tokens
+  positions; rows sit at different cache indices, `insert` copies the prefix row in.
+* paged (`models/paged_kv.py`, as the continuous engine): one page pool, a page table per slot.
+  `insert` frees the slot's old pages, allocates the pages the prompt's real tokens need and
+  writes them there; `generate` runs the model's `decode_step_paged` (a fresh page when a slot
+  crosses a page boundary, attention over live pages only) and frees a slot's pages once it
+  emits a stop token or `max_new_tokens` tokens.
+  JetStream has no way to pause or preempt a request (its orchestrator ends a request at the
+  first invalid token), so pages are never overcommitted: each insert reserves, on the host,
+  the pages its slot can reach (prompt bucket + max_new_tokens), and the default pool holds
+  every slot at full length. A smaller `kv_pages` (at least one full-length request) is taken
+  only when asked for; an insert it cannot hold raises, naming the setting.
 
 Streaming order: a slot's pending token is emitted by the `generate` step that feeds it, so the
 prefill token is the first one JetStream's orchestrator sees (JetStream 0.2.2 drops anything
@@ -25,6 +37,7 @@ request's sample does not depend on which slot or step it ran in.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Iterable
 
@@ -36,10 +49,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dapo_jax import sharding as shd
+from dapo_jax.models import paged_attention, paged_kv
+from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout import slots as sl
+from dapo_jax.rollout.continuous import PAGED_MIN_CACHE_LENGTH_CPU
 from dapo_jax.rollout.jetstream_api import engine_api, token_utils, tokenizer_api, tokenizer_pb2
-from dapo_jax.rollout.sampling import SamplingParams, request_keys
+from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
+from dapo_jax.rollout.slot_programs import PagedSpec
 from dapo_jax.rollout.slots import PREFILL_BUCKETS, DecodeState, Prefix
 from dapo_jax.tracing import TraceCounter
 
@@ -109,6 +126,88 @@ def init_program(state: nnx.State, *, graphdef: nnx.GraphDef, num_slots: int,
   return sl.empty_decode_state(nnx.merge(graphdef, state), num_slots, cache_length)
 
 
+# --- the paged decode state ------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class PagedDecodeState:
+  """N slots over one page pool: `decode.cache` is a `PagedKVCache` (table row n = slot n)."""
+  decode: DecodeState
+  active: jax.Array  # [N] bool: inserted and not yet finished (holds pages, decodes)
+  lost: jax.Array  # [] int32 inserts the pool had no pages for, slots that ran out (0 while
+  # the host's reservations hold; the tests check it)
+
+
+def _prompt_first(cache: KVCache) -> tuple[Any, Any]:
+  """A prefix's keys and values with its real tokens first, in order: JetStream's start marker
+  (a masked slot before the prompt) must not take a page position, since paged attention reads
+  a slot's first `length` positions with no mask."""
+  order_S = jnp.argsort(~cache.valid[0], stable=True)
+  return (jax.tree.map(lambda k: jnp.take(k, order_S, axis=-1), cache.k),  # [.., K, E, S]
+          jax.tree.map(lambda v: jnp.take(v, order_S, axis=-2), cache.v))  # [.., K, S, E]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "paged", "cache_length",
+                                             "mesh"))
+def init_paged_program(state: nnx.State, *, graphdef: nnx.GraphDef, num_slots: int,
+                       paged: PagedSpec, cache_length: int, mesh: Mesh | None
+                       ) -> PagedDecodeState:
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    model = nnx.merge(graphdef, state)
+    pool = model.init_paged_cache(num_slots, paged.num_pages, paged.page_size,
+                                  paged.max_pages(cache_length))
+    heads = lambda x: shd.constrain(x, ("kv_heads", None, None, None))  # as the slots' KV
+    pool = pool.replace(k=per_layer(heads, pool.k), v=per_layer(heads, pool.v))
+    decode = sl.empty_decode_state(model, num_slots, 1).replace(cache=pool)
+  return PagedDecodeState(decode=decode, active=jnp.zeros((num_slots,), bool),
+                          lost=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("decode_state",))
+def insert_paged_program(prefix: Prefix, decode_state: PagedDecodeState, slot_1
+                         ) -> PagedDecodeState:
+  """The slot's old pages are freed, the prompt's real tokens written into fresh pages."""
+  TRACES.record("insert_paged")
+  d = decode_state.decode
+  n = d.token.shape[0]
+  cache = paged_kv.free_slots(d.cache, jnp.arange(n) == slot_1[0])
+  length_1 = prefix.position  # real prompt tokens
+  cache, pages_M, ok = paged_kv.alloc(cache, length_1[0])
+  k, v = _prompt_first(prefix.cache)
+  cache = paged_kv.write_prompts(cache, pages_M[None], k, v, length_1)
+  cache = paged_kv.attach(cache, jnp.where(ok, slot_1, n), pages_M[None], length_1)
+  cache = paged_kv.release(cache, pages_M[None])  # the slot's hold is now the only one
+  put = lambda dst, src: dst.at[slot_1].set(src, mode="drop")
+  decode = DecodeState(cache=cache, token=put(d.token, prefix.token),
+                       logprob=put(d.logprob, prefix.logprob),
+                       position=put(d.position, prefix.position),
+                       length=put(d.length, jnp.zeros_like(prefix.token)),
+                       key=put(d.key, prefix.key))
+  return PagedDecodeState(decode=decode, active=put(decode_state.active, ok[None]),
+                          lost=decode_state.lost + (~ok).astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("impl",), donate_argnames=("decode_state",))
+def generate_paged_program(state: nnx.State, decode_state: PagedDecodeState, *,
+                           graphdef: nnx.GraphDef, sampling: SamplingParams, mesh: Mesh | None,
+                           impl: str) -> tuple[PagedDecodeState, jax.Array]:
+  """One paged decode step of the active slots; a slot that emits a stop token (`sampling.
+  eos_ids`) or its `max_new_tokens`-th token gives its pages back. Finished and empty slots
+  emit invalid tokens."""
+  TRACES.record("generate_paged")
+  active_N = decode_state.active
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    new, token_N, logprob_N, ok_N, short_N = sl.decode_step_paged(
+        nnx.merge(graphdef, state), decode_state.decode, active_N, sampling, impl)
+  end_N = (ok_N & (is_stop(token_N, sampling.eos_ids) | (new.length >= sampling.max_new_tokens))
+           | short_N)
+  new = new.replace(cache=paged_kv.free_slots(new.cache, end_N))
+  data_Nx4 = jnp.stack([token_N, ok_N.astype(jnp.int32), new.length,
+                        jax.lax.bitcast_convert_type(logprob_N, jnp.int32)], axis=-1)
+  return PagedDecodeState(decode=new, active=active_N & ~end_N,
+                          lost=decode_state.lost + short_N.sum(dtype=jnp.int32)), data_Nx4
+
+
 # --- tokenizer adapter ------------------------------------------------------------------------
 
 
@@ -169,12 +268,19 @@ class QwenEngine(engine_api.Engine):
       ends with an invalid token). Default: greedy, 256 new tokens.
     seed: base of the per-request keys (request i uses fold_in(fold_in(key(seed), i), 0)).
     mesh: optional device mesh; parameters are laid out with `SAMPLE_RULES`.
+    kv_cache: "paged", "dense" or "auto" (paged on TPU and GPU, and on CPU from
+      `continuous.PAGED_MIN_CACHE_LENGTH_CPU` positions per slot), as `rollout.kv_cache`.
+    page_size, attention_impl: the paged cache's tokens per page and decode attention kernel.
+    kv_pages: pages in the pool; 0: every slot at full length (no insert can then run out).
+      Sized by slots, not by `rollout.kv_hbm_fraction`: JetStream cannot preempt a request.
+    Paged, a slot also stops at the stop tokens (`sampling.eos_ids`, else the tokenizer's).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, tokenizer: Any = None, *,
                max_concurrent_decodes: int = 8, max_prefill_length: int = 128,
                sampling: SamplingParams | None = None, seed: int = 0,
-               mesh: Mesh | None = None, tokenizer_path: str = ""):
+               mesh: Mesh | None = None, tokenizer_path: str = "", kv_cache: str = "auto",
+               page_size: int = 64, kv_pages: int = 0, attention_impl: str = "auto"):
     if max_prefill_length not in PREFILL_BUCKETS:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be one of JetStream's "
                        f"prefill buckets {PREFILL_BUCKETS}.")
@@ -195,6 +301,52 @@ class QwenEngine(engine_api.Engine):
     self.cache_length = max_prefill_length + self.sampling.max_new_tokens
     self._base_key = jax.random.key_data(jax.random.key(seed))
     self._num_prefills = 0  # only JetStream's prefill thread calls `prefill`
+    self.paged = self._paged_spec(kv_cache, page_size, kv_pages, attention_impl)
+    if self.paged is not None and not self.sampling.eos_ids and tokenizer is not None:
+      self.sampling = dataclasses.replace(self.sampling, eos_ids=tuple(tokenizer.eos_ids))
+    # Pages each slot may reach (prompt bucket + max_new_tokens), set by `insert`: their sum
+    # stays within the pool, so no decode step runs out (only JetStream's generate thread
+    # inserts, into the one decode state it holds).
+    self._reserved = np.zeros((max_concurrent_decodes,), np.int64)
+
+  def _paged_spec(self, kv_cache: str, page_size: int, kv_pages: int,
+                  attention_impl: str) -> PagedSpec | None:
+    if kv_cache not in paged_kv.KV_CACHES:
+      raise ValueError(f"kv_cache={kv_cache!r}; choose one of {paged_kv.KV_CACHES}.")
+    paged_attention.resolve_paged_impl(attention_impl)  # an unknown name fails here
+    if kv_cache == "auto":
+      cpu = jax.devices()[0].platform == "cpu"
+      kv_cache = ("paged" if not cpu or self.cache_length >= PAGED_MIN_CACHE_LENGTH_CPU
+                  else "dense")
+    if kv_cache == "dense":
+      return None
+    if page_size < 1 or kv_pages < 0:
+      raise ValueError(f"page_size ({page_size}) must be >= 1 and kv_pages ({kv_pages}) >= 0.")
+    full = paged_kv.pages_for(self.cache_length, page_size)
+    if 0 < kv_pages < full:
+      raise ValueError(
+          f"rollout.kv_pages={kv_pages} pages of {page_size} tokens cannot hold one request of "
+          f"max_prefill_length + max_new_tokens = {self.cache_length} tokens; use at least "
+          f"{full} ({self._num_slots * full} hold every slot at full length).")
+    return PagedSpec(num_pages=kv_pages or self._num_slots * full, page_size=page_size,
+                     impl=attention_impl)
+
+  def _reserve(self, decode_state: PagedDecodeState, slot: int, bucket: int) -> None:
+    """Reserves the pages `slot` may reach with a prompt of at most `bucket` tokens; raises
+    when the pool cannot hold them besides the other slots' reservations."""
+    t, pool = self.paged.page_size, self.paged.num_pages
+    need = paged_kv.pages_for(bucket + self.sampling.max_new_tokens, t)
+    others = lambda: int(self._reserved.sum() - self._reserved[slot])
+    if others() + need > pool:  # slots that finished since gave their pages back: look
+      self._reserved[~np.asarray(decode_state.active)] = 0
+      if others() + need > pool:
+        raise RuntimeError(
+            f"The paged KV pool (rollout.kv_pages={pool} pages of {t} tokens) cannot take a "
+            f"request into slot {slot}: it may reach {need} pages ({bucket}-token prompt bucket "
+            f"+ max_new_tokens={self.sampling.max_new_tokens}) and the running requests hold "
+            f"{others()}; raise rollout.kv_pages (0: every slot at full length) or lower "
+            "max_concurrent_decodes.")
+    self._reserved[slot] = need
 
   # --- accelerator functions --------------------------------------------------------------
 
@@ -216,21 +368,35 @@ class QwenEngine(engine_api.Engine):
                            self._base_key, request, graphdef=self.graphdef,
                            sampling=self.sampling, mesh=self._program_mesh)
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    return insert_program(prefix, decode_state, np.array([slot], np.int32))
+  def insert(self, prefix: Prefix, decode_state: DecodeState | PagedDecodeState, slot: int
+             ) -> DecodeState | PagedDecodeState:
+    if self.paged is None:
+      return insert_program(prefix, decode_state, np.array([slot], np.int32))
+    self._reserve(decode_state, slot, prefix.cache.max_length)
+    return insert_paged_program(prefix, decode_state, np.array([slot], np.int32))
 
-  def generate(self, params: nnx.State, decode_state: DecodeState
-               ) -> tuple[DecodeState, QwenResultTokens]:
-    decode_state, data = generate_program(params, decode_state, graphdef=self.graphdef,
-                                          sampling=self.sampling, mesh=self._program_mesh)
+  def generate(self, params: nnx.State, decode_state: DecodeState | PagedDecodeState
+               ) -> tuple[DecodeState | PagedDecodeState, QwenResultTokens]:
+    if self.paged is None:
+      decode_state, data = generate_program(params, decode_state, graphdef=self.graphdef,
+                                            sampling=self.sampling, mesh=self._program_mesh)
+    else:
+      decode_state, data = generate_paged_program(
+          params, decode_state, graphdef=self.graphdef, sampling=self.sampling,
+          mesh=self._program_mesh, impl=self.paged.impl)
     return decode_state, QwenResultTokens(
         data=data, tokens_idx=(_TOKEN, _TOKEN + 1), valid_idx=(_VALID, _VALID + 1),
         length_idx=(_LENGTH, _LENGTH + 1), samples_per_slot=1)
 
-  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+  def init_decode_state(self, *args, **kwargs) -> DecodeState | PagedDecodeState:
     del args, kwargs
-    return init_program(self._state, graphdef=self.graphdef, num_slots=self._num_slots,
-                        cache_length=self.cache_length)
+    if self.paged is None:
+      return init_program(self._state, graphdef=self.graphdef, num_slots=self._num_slots,
+                          cache_length=self.cache_length)
+    self._reserved[:] = 0
+    return init_paged_program(self._state, graphdef=self.graphdef, num_slots=self._num_slots,
+                              paged=self.paged, cache_length=self.cache_length,
+                              mesh=self._program_mesh)
 
   def get_prefix_destination_sharding(self) -> Any:
     # A prefix is small (one prompt's cache); replicated is a valid layout on any mesh.
