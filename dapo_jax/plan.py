@@ -535,6 +535,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
   plan["phase_peaks"] = {"train": plan["train"]["peak"],
                          "reshard": state - held + plan["rollout"]["reshard"]["peak"],
                          "rollout": state + rollout["peak"]}
+  lora_rollout = est.lora_rollout_bytes(config, mcfg, target.num_devices,
+                                        rollout["parts"]["params"])
+  if lora_rollout:  # the rollout reads merged kernels over a base in its layout, not a reshard
+    plan["lora_rollout"], extra = lora_rollout, sum(lora_rollout.values())
+    plan["phase_peaks"].update(reshard=state + extra, rollout=state + extra + rollout["peak"]
+                               - rollout["parts"]["params"])
   plan["peak_bytes"] = max(plan["phase_peaks"].values())
   plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
   if "oom" in plan["train"] or "oom" in rollout:
@@ -583,6 +589,10 @@ def format_plan(plan: dict[str, Any]) -> str:
   rs = r["reshard"]
   lines.append(f"    reshard train->rollout peak     {g(rs['peak'])}  (src {g(rs['src'])} + dst "
                f"{g(rs['dst'])} + temp {g(rs['temp'])})")
+  if "lora_rollout" in plan:  # no reshard of the weights: the merge (temporaries not counted)
+    lr = plan["lora_rollout"]
+    lines.append(f"    LoRA rollout weights: merged kernels {g(lr['merged'])} + base copy in the "
+                 f"rollout layout {g(lr['resident'])}; phase reshard = the merge")
   for name, b in plan["phase_peaks"].items():
     lines.append(f"    phase {name:<24}{g(b)}")
   cap = plan["hbm_bytes"]
@@ -590,8 +600,10 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"{'FITS' if plan['fits'] else 'DOES NOT FIT'} in {cap / GiB:.1f} GiB")
   lines.append(f"  peak {g(plan['peak_bytes'])} per device: {verdict}")
   f = plan["flops_analytic"]
+  lora_part = (f", adapter merge {f['merge']:.3e} (LoRA: {f['adapter_params'] / 1e6:,.1f}M "
+               f"adapter params, no base weight gradients)" if f.get("adapter_params") else "")
   lines.append(f"  FLOPs per RL step (analytic, all devices): rollout {f['rollout']:.3e}, "
-               f"old log-probs {f['logprob']:.3e}, updates {f['train']:.3e}, "
+               f"old log-probs {f['logprob']:.3e}, updates {f['train']:.3e}{lora_part}, "
                f"total {f['total']:.3e} = {f['total'] / plan['num_devices']:.3e} per device")
   if "flops_compiled" in t and t["flops_compiled"]:
     lines.append(f"  compiled FLOPs per device (loop bodies counted once): train step "
@@ -658,6 +670,8 @@ def _define(fv) -> None:
                        "two runs give the memory per layer); not a plan for the full model",
                        flag_values=fv)
   flags.DEFINE_string("json", None, "also write the plan as JSON here", flag_values=fv)
+  flags.DEFINE_bool("estimate", True, "with --noestimate, memory only: no step-time estimate "
+                    "(skips its 1- and 2-layer compiles)", flag_values=fv)
   flags.mark_flag_as_required("target", flag_values=fv)
 
 
@@ -725,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   config = configure(fv)
   libtpu_flags.apply(config)  # the trainer's compiler options (dapo-train applies the same)
   target = parse_target(fv.target)
-  plan = make_plan(config, target)
+  plan = make_plan(config, target, estimate=None if fv.estimate else False)
   print(format_plan(plan))
   if fv.json:
     epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))

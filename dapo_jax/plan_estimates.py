@@ -15,12 +15,14 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from dapo_jax.models import Qwen2Config
+from dapo_jax.models import Qwen2Config, lora
 from dapo_jax.rollout.sampler import segment_ends
 
 # v5p: the 95.74 GiB libtpu reports when it refuses a program; others are the nominal sizes.
 TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95.74, "v6e": 32}
-GPU_HBM_GB = {"a100": 80, "h100": 80, "h200": 141, "b200": 180}
+# The notebook GPUs too: Colab's T4 (16 GB), L4 (24 GB) and A100 40GB ("a100-40g").
+GPU_HBM_GB = {"a100": 80, "h100": 80, "h200": 141, "b200": 180, "t4": 16, "l4": 24,
+              "a100-40g": 40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ CHIPS = {
     "h100": Chip(989e12, 3350e9, "NVIDIA H100 datasheet (SXM)"),
     "h200": Chip(989e12, 4800e9, "NVIDIA H200 datasheet (SXM)"),
     "b200": Chip(2250e12, 8000e9, "NVIDIA HGX B200 datasheet (per GPU)"),
+    "a100-40g": Chip(312e12, 1555e9, "NVIDIA A100 datasheet (40GB SXM)"),
+    "l4": Chip(121e12, 300e9, "NVIDIA L4 datasheet"),
+    # Turing has no bf16 tensor cores: a bf16 model's matmuls run at about the FP32 peak.
+    "t4": Chip(8.1e12, 320e9, "NVIDIA T4 datasheet (FP32 peak: no bf16 tensor cores)"),
 }
 # The response-length mix the rollout estimate assumes (issue 16's paper-shaped mix: mean a
 # quarter of the budget, ~5% at the limit) and the continuous engine's share of busy slot-steps
@@ -126,7 +132,8 @@ def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_de
   * the log-prob head's chunks past the first: it is a loop inside the micro-batch loop
     (``logprobs.chunked_token_stats``, ``logit_chunk_size`` positions a chunk), and the cost
     analysis counts a loop body once: (chunks - 1) x chunk x 2 x vocab x hidden per row,
-    x4 in the update (forward, the chunk's checkpointed recomputation, backward);
+    x4 in the update (forward, the chunk's checkpointed recomputation, backward: the
+    activation and the weight gradient), x3 with LoRA (the head is frozen: no weight gradient);
   * with ``splash`` (the Pallas kernel on TPU, opaque to the cost analysis) the attention:
     causal blocks, half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row and
     layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``.
@@ -144,7 +151,8 @@ def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_de
   remat = 4 / 3 if config.model.remat != "none" else 1.0
   log_rows = config.optim.train_batch_size * config.rollout.n
   log_micro = micro if 0 < micro < log_rows else log_rows
-  return {"train": 3 * remat * attention(micro, p + r) + 4 * head(micro),
+  head_passes = 3 if lora.LoRAConfig.from_config(config.model.get("lora")).rank > 0 else 4
+  return {"train": 3 * remat * attention(micro, p + r) + head_passes * head(micro),
           "logprob": attention(log_micro, p + r) + head(log_micro),
           "prefill": attention(config.rollout.prompts_per_call
                                or config.algorithm.gen_batch_size, p)}
@@ -316,9 +324,58 @@ def _attn_flops_per_token(mcfg: Qwen2Config, context: float) -> float:
   return 4.0 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.dim_per_head * context
 
 
+def adapter_sizes(mcfg: Qwen2Config, lcfg: lora.LoRAConfig) -> tuple[int, int]:
+  """(adapter parameters, parameters of the base kernels they adapt) over every layer, for the
+  projections ``lcfg.targets`` selects (by the module paths `lora.add_adapters` matches)."""
+  if lcfg.rank <= 0:
+    return 0, 0
+  d, f, e = mcfg.hidden_size, mcfg.intermediate_size, mcfg.dim_per_head
+  q, kv = mcfg.num_attention_heads * e, mcfg.num_key_value_heads * e
+  shapes = {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
+            "self_attn.o_proj": (q, d), "mlp.gate_proj": (d, f), "mlp.up_proj": (d, f),
+            "mlp.down_proj": (f, d)}
+  scanned = mcfg.scan_layers
+  adapters = adapted = 0
+  for layer in range(mcfg.num_hidden_layers):
+    for name, (n_in, n_out) in shapes.items():
+      path = f"layers.{name}" if scanned else f"layers.{layer}.{name}"
+      if lora._matches(path, lcfg.targets):  # pylint: disable=protected-access
+        adapters += lcfg.rank * (n_in + n_out)
+        adapted += n_in * n_out
+  return adapters, adapted
+
+
+def lora_rollout_bytes(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_devices: int,
+                       rollout_params: int) -> dict[str, int] | None:
+  """A LoRA run's rollout weights per device beyond its train state
+  (``rollout/weights.MergedRolloutWeights``), or None without adapters: ``merged``, the adapted
+  kernels merged in the model's dtype and rollout layout (new arrays each step; every other
+  leaf is the rollout base's own), and ``resident``, a copy of the base in the rollout layout
+  kept for the run where the training layout differs (``fsdp`` > 1, which ``SAMPLE_RULES``
+  replicates, or another ``rollout_mesh``). ``rollout_params``: the whole model in the rollout
+  layout; the adapted kernels take their share of it."""
+  n_adapter, n_adapted = adapter_sizes(mcfg, lora.LoRAConfig.from_config(config.model.get("lora")))
+  if not n_adapter:
+    return None
+  train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
+      config.rollout_mesh or config.mesh, num_devices)
+  same = train.get("fsdp", 1) == 1 and train == roll
+  return {"merged": int(rollout_params * n_adapted / mcfg.num_params()),
+          "resident": 0 if same else rollout_params}
+
+
 def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str, float]:
   """FLOPs of one RL step over all devices: one generation batch (dynamic sampling may draw
-  more), the old-log-prob forward and the updates (x4/3 with full rematerialisation)."""
+  more), the old-log-prob forward and the updates (with full rematerialisation, one more
+  forward per update).
+
+  With LoRA (``model.lora.rank > 0``) the frozen base's matmuls get no weight gradient: the
+  update is the forward, the activation gradients (1x the frozen matmuls, 2x the attention) and
+  the adapters' both gradients (2x their forward, ``(x @ A) @ B``: 2 FLOPs per adapter parameter
+  and token). The rollout runs the merged weights (no adapter FLOPs); ``merge`` is the step's
+  ``A @ B`` per adapted kernel."""
+  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  n_adapter, n_adapted = adapter_sizes(mcfg, lcfg)
   n_mm = _matmul_params(mcfg)
   p, r = config.data.max_prompt_length, config.rollout.max_response_length
   t = p + r
@@ -328,13 +385,20 @@ def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str
   rows = config.optim.train_batch_size * g
   # The log-prob head (vocab x hidden) runs on the R response positions only (logprobs.py).
   head = mcfg.vocab_size * mcfg.hidden_size
-  fwd = rows * (t * (2 * (n_mm - head) + _attn_flops_per_token(mcfg, t)) + r * 2 * head)
-  remat = 4 / 3 if config.model.remat != "none" else 1.0
-  update_model = 3 * fwd * config.optim.ppo_epochs  # what MFU counts: no recomputation
-  train = update_model * remat
+  weights = rows * (t * 2 * (n_mm - head) + r * 2 * head)  # the base's matmuls
+  attn = rows * t * _attn_flops_per_token(mcfg, t)
+  adapters = rows * t * 2 * n_adapter
+  fwd = weights + attn + adapters
+  # What MFU counts (no recomputation): forward + backward, the base's weight gradients only
+  # when it trains.
+  update_model = (fwd + (2 if lcfg.rank <= 0 else 1) * weights + 2 * attn + 2 * adapters
+                  ) * config.optim.ppo_epochs
+  train = update_model + (fwd * config.optim.ppo_epochs if config.model.remat != "none" else 0)
   logprob = 0.0 if config.rollout.use_sampler_logprobs else fwd
-  return {"rollout": rollout, "logprob": logprob, "train": train,
-          "total": rollout + logprob + train, "update_model": update_model}
+  merge = 2.0 * lcfg.rank * n_adapted
+  return {"rollout": rollout, "logprob": logprob, "train": train, "merge": merge,
+          "total": rollout + logprob + train + merge, "update_model": update_model,
+          "adapter_params": n_adapter}
 
 
 def layout_warnings(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
@@ -374,7 +438,8 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
 
   Parameters, optimizer state and KV cache are exact up to indivisible dimensions. Train-step
   temporaries with rematerialisation use the per-token rate fitted to TPU compiles
-  (``REMAT_BYTES_BY_FSDP``); without it, every layer's activations.
+  (``REMAT_BYTES_BY_FSDP``); without it, every layer's activations. With LoRA the trained
+  parameters (and their gradients) are the adapters; the base is held once, frozen, in its dtype.
   """
   train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
       config.rollout_mesh or config.mesh, num_devices)
@@ -383,7 +448,11 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   # The trained copy is held in the master dtype (fp32 for a bf16 model), as the trainer does.
   mb = max(pb, np.dtype(master_dtype).itemsize) if master_dtype else pb
   n = mcfg.num_params()
-  params = n * mb // (train.get("fsdp", 1) * tp)
+  shards = train.get("fsdp", 1) * tp
+  n_adapter, _ = adapter_sizes(mcfg, lora.LoRAConfig.from_config(config.model.get("lora")))
+  frozen = n * pb // shards if n_adapter else 0
+  trained = n_adapter or n
+  params = trained * mb // shards
   opt_state = 2 * params  # Adam's two moments, in the master dtype
   p, r = config.data.max_prompt_length, config.rollout.max_response_length
   t = p + r
@@ -397,10 +466,10 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
     heads = _split(mcfg.num_attention_heads, tp)
     saved = layers * micro * (t * (6 * d + 3 * _split(f, tp)) * ab + 3 * heads * t * t * 4)
   # fp32 gradient accumulators + the forward's copy in the model's dtype
-  grads = n * 4 // (train.get("fsdp", 1) * tp) + n * pb // (train.get("fsdp", 1) * tp)
+  grads = trained * 4 // shards + trained * pb // shards
   batch = _split(rows, ways) * (t * 5 + r * 5 + 5)
   activations = int(saved) + grads
-  train_parts = {"params": params, "opt_state": opt_state, "batch": batch,
+  train_parts = {"params": params, "opt_state": opt_state, "frozen_base": frozen, "batch": batch,
                  "activations_and_temp": activations}
   rparams = n * pb // rtp
   src = n * pb // (train.get("fsdp", 1) * tp)
@@ -411,7 +480,7 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   other = int(ROLLOUT_TEMP_OVER_KV * kv) + rrows * _split(mcfg.vocab_size, rtp) * 4 * 3
   return {
       "train": {"parts": train_parts, "peak": sum(train_parts.values()),
-                "state_bytes": params + opt_state,
+                "state_bytes": params + opt_state + frozen,
                 "num_micro_batches": max(1, rows // config.optim.micro_batch_size)},
       "rollout": {"parts": {"params": rparams, "kv_cache_estimate": kv, "other_temp": other,
                             "outputs": outputs},

@@ -14,7 +14,9 @@ config.json names the model). Settings are the trainer's, with one override synt
 path --config.x=y`); without `--config` the config is the workdir's, else the float32 defaults
 (`--config.model.param_dtype=bfloat16 --config.model.dtype=bfloat16` for bf16). The KV cache is
 `--config.rollout.kv_cache` (auto: paged on TPU/GPU and for long slots on CPU; page_size,
-kv_pages, attention_impl as for rollout; the default pool holds every slot at full length).
+kv_pages, attention_impl as for rollout). The default pool holds every slot at full length:
+JetStream cannot pause a request, so with a smaller `kv_pages` a request the pool cannot hold
+stops the server (JetStream ends the process on a driver thread's error) naming the setting.
 
 Requests are checked before JetStream sees them (`RequestLimits`): an exception in one of its
 driver threads kills the whole server, and a prompt over its prefill length would be silently

@@ -402,3 +402,62 @@ def test_tpu_continuous_chunk_takes_the_engine_state_in_the_compilers_layout():
   assert big_copies(auto.as_text(), whole_cache) == []
   assert auto.memory_analysis().temp_size_in_bytes < 0.6 * (
       default.memory_analysis().temp_size_in_bytes)
+
+
+def test_lora_step_flops_and_memory_by_hand():
+  """With adapters the updates lose the frozen base's weight gradients and gain the adapters'
+  (x @ A) @ B: forward, activation and weight gradients; the old-log-prob forward gains their
+  forward; the rollout (merged weights) is unchanged. The adapter count is the one
+  `lora.add_adapters` creates, for short names and for a one-layer path pattern."""
+  from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models.qwen2 import Qwen2ForCausalLM  # pylint: disable=g-import-not-at-top
+  full = plan_lib.configure(_tiny_args("--config.model.remat=full"))
+  adapted = full.copy_and_resolve_references()
+  adapted.model.lora.update(rank=4, targets=("q", "down"))
+  mcfg = plan_lib.plan_model_config(full)
+  d, f, h, e, layers = (mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
+                        mcfg.dim_per_head, mcfg.num_hidden_layers)
+  n_ad, n_kernels = layers * 4 * (d + h * e + f + d), layers * (d * h * e + f * d)
+  for cfg, targets, want in ((mcfg, ("q", "down"), (n_ad, n_kernels)),
+                             (mcfg.replace(scan_layers=False), ("layers.1.self_attn.q_proj",),
+                              (4 * (d + h * e), d * h * e))):
+    lcfg = lora.LoRAConfig(rank=4, targets=targets)
+    assert plan_est.adapter_sizes(cfg, lcfg) == want
+    model = nnx.eval_shape(lambda c=cfg, l=lcfg: lora.add_adapters(
+        Qwen2ForCausalLM(c, rngs=nnx.Rngs(0)), l))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, lora.Adapter))) == want[0]
+  a, b = plan_est.step_flops(full, mcfg), plan_est.step_flops(adapted, mcfg)
+  rows, p, r = 16 * full.rollout.n, full.data.max_prompt_length, full.rollout.max_response_length
+  t, head = p + r, mcfg.vocab_size * d
+  weights = rows * (t * 2 * (plan_est._matmul_params(mcfg) - head) + r * 2 * head)  # pylint: disable=protected-access
+  attn = rows * t * 4 * layers * h * e * t
+  ad = rows * t * 2 * n_ad
+  assert full.optim.train_batch_size == 16 and full.optim.ppo_epochs == 1
+  assert a["train"] == pytest.approx(4 * (weights + attn))  # 3 passes + remat's forward
+  assert a["update_model"] == pytest.approx(3 * (weights + attn)) and a["merge"] == 0
+  assert b["logprob"] == pytest.approx(weights + attn + ad)
+  assert b["update_model"] == pytest.approx(2 * weights + 3 * attn + 3 * ad)
+  assert b["train"] == pytest.approx(b["update_model"] + weights + attn + ad)
+  assert b["rollout"] == a["rollout"] and b["merge"] == 2 * 4 * n_kernels
+  assert b["total"] == pytest.approx(b["rollout"] + b["logprob"] + b["train"] + b["merge"])
+  # The analytic memory (GPU targets): the adapters trained in fp32 with Adam, the base frozen.
+  mem_a = plan_est.analytic_memory(full, mcfg, 8)["train"]
+  mem_b = plan_est.analytic_memory(adapted, mcfg, 8)["train"]
+  shards, pbytes = 2 * 2, np.dtype(mcfg.param_dtype).itemsize  # fsdp 2 x tensor 2
+  assert mem_b["parts"]["params"] == n_ad * 4 // shards
+  assert mem_b["parts"]["opt_state"] == 2 * mem_b["parts"]["params"]
+  assert mem_b["parts"]["frozen_base"] == mcfg.num_params() * pbytes // shards
+  assert mem_a["parts"]["frozen_base"] == 0
+  assert mem_b["state_bytes"] == sum(mem_b["parts"][k] for k in
+                                     ("params", "opt_state", "frozen_base"))
+  # The rollout reads merged kernels over the base: a rollout-layout copy of the base is kept
+  # only where training splits it over fsdp (SAMPLE_RULES replicate that axis).
+  target = plan_lib.parse_target("gpu:h100:1x8")
+  plan = plan_lib.make_plan(adapted, target)
+  lr, rparams = plan["lora_rollout"], plan["rollout"]["parts"]["params"]
+  assert lr == {"merged": int(rparams * n_kernels / mcfg.num_params()), "resident": rparams}
+  assert plan["phase_peaks"]["rollout"] == (mem_b["state_bytes"] + lr["merged"] + rparams
+                                            + plan["rollout"]["peak"] - rparams)
+  adapted.mesh = [("data", 4), ("fsdp", 1), ("tensor", 2)]
+  assert plan_est.lora_rollout_bytes(adapted, mcfg, 8, rparams)["resident"] == 0
+  assert "lora_rollout" not in plan_lib.make_plan(full, target)

@@ -1,0 +1,86 @@
+r"""Which Qwen2.5 sizes fit which single-accelerator notebook runtime, LoRA vs full fine-tuning:
+dapo-plan's ANALYTIC estimate (plan_estimates.analytic_memory) for GPU targets, per model size,
+runtime and adapter rank, at the largest rollout call (prompts x G rows) that fits with 5% of the
+usable memory to spare.
+
+    python bench/lora_fits.py --out bench/results/lora_plan/fits_gpu.json
+
+Every row uses configs/qwen25_1_5b_lora.py (1024 prompt + 3072 response tokens, G = 8,
+micro-batch 1, remat full) with only the preset and the rank changed. TPU runtimes are compiled
+by dapo-plan itself (docs/lora.md, "What fits where"): this script makes no compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dapo_jax import plan as plan_lib  # noqa: E402  # pylint: disable=wrong-import-position
+
+CONFIG = os.path.join(ROOT, "configs", "qwen25_1_5b_lora.py")
+GiB = 1024**3
+
+
+def plan_row(preset: str, target: str, rank: int, prompts_per_call: int) -> dict:
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", CONFIG, "--target", target, f"--config.model.preset={preset}",
+      f"--config.model.lora.rank={rank}",
+      f"--config.rollout.prompts_per_call={prompts_per_call}"]))
+  plan = plan_lib.make_plan(config, plan_lib.parse_target(target))
+  return {"preset": preset, "target": target, "rank": rank,
+          "prompts_per_call": prompts_per_call,
+          "rows_per_call": prompts_per_call * config.rollout.n,
+          "fits": plan["fits"], "capacity_gib": plan["hbm_bytes"] / GiB,
+          "peak_gib": plan["peak_bytes"] / GiB,
+          "phases_gib": {k: v / GiB for k, v in plan["phase_peaks"].items()},
+          "train_state_gib": plan["train"]["state_bytes"] / GiB}
+
+
+def largest_fitting(preset: str, target: str, rank: int, headroom: float,
+                    calls=(16, 12, 8, 6, 4, 2, 1)) -> dict:
+  """The row at the most prompts per rollout call that fits with ``headroom`` (a share of the
+  capacity) to spare, else the row at one prompt."""
+  row = None
+  for ppc in calls:
+    row = plan_row(preset, target, rank, ppc)
+    row["fits"] = row["fits"] and row["peak_gib"] <= (1 - headroom) * row["capacity_gib"]
+    if row["fits"]:
+      return row
+  return row
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--presets", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b")
+  p.add_argument("--targets", default="gpu:t4:1x1,gpu:l4:1x1,gpu:a100-40g:1x1")
+  p.add_argument("--ranks", default="32,0")
+  p.add_argument("--headroom", type=float, default=0.05,
+                 help="share of the usable memory a fitting row leaves free (a margin)")
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  rows = []
+  for preset in args.presets.split(","):
+    for target in args.targets.split(","):
+      for rank in (int(r) for r in args.ranks.split(",")):
+        row = largest_fitting(preset, target, rank, args.headroom)
+        rows.append(row)
+        what = "LoRA r%d" % rank if rank else "full"
+        print(f"{preset:14s} {target:20s} {what:9s} "
+              f"{'fits' if row['fits'] else 'NO':4s} {row['prompts_per_call']:3d} prompts/call "
+              f"peak {row['peak_gib']:6.2f} of {row['capacity_gib']:.1f} GiB "
+              f"(train state {row['train_state_gib']:.2f})", flush=True)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump({"method": "dapo-plan analytic estimate (GPU targets)",
+                 "config": os.path.relpath(CONFIG, ROOT), "headroom": args.headroom,
+                 "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
