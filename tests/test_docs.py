@@ -401,9 +401,10 @@ def _check_script(path: str, args: list[str], inline: bool) -> None:
   except (argparse.ArgumentError, SystemExit) as e:
     if isinstance(e, SystemExit) and e.code in (0, None):
       return
-    if inline and "the following arguments are required" in (err.getvalue() or str(e)):
-      return
-    raise ValueError(f"{path}: {(err.getvalue() or str(e)).strip().splitlines()[-1]}") from None
+    message = err.getvalue() or str(e)
+    if inline and ("arguments are required" in message or "expected one argument" in message):
+      return  # prose names a flag without its value
+    raise ValueError(f"{path}: {message.strip().splitlines()[-1]}") from None
   if rest and path in BENCH_FORWARD:
     name, config = BENCH_FORWARD[path]
     _check_names(name, rest, config)  # a forwarded part need not be a whole command
