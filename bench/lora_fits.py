@@ -6,14 +6,20 @@ usable memory to spare.
     python bench/lora_fits.py --out bench/results/lora_plan/fits_gpu.json
 
 Every row uses configs/qwen25_1_5b_lora.py (1024 prompt + 3072 response tokens, G = 8,
-micro-batch 1, remat full) with only the preset and the rank changed. TPU runtimes are compiled
-by dapo-plan itself (docs/lora.md, "What fits where"): this script makes no compiles.
+micro-batch 1, remat full; --config for another) with only the preset and the rank changed.
+The rollout is the static sampler's call (the analytic estimate's). This script makes no
+compiles: a tpu: target gets the same analytic estimate (dapo-plan itself compiles TPU targets;
+docs/lora.md, "What fits where", has both).
+
+    python bench/lora_fits.py --config configs/qwen25_math_7b_lora.py \
+        --presets qwen2.5-math-7b --targets tpu:v5e:2x4,tpu:v4:2x2x1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -21,33 +27,55 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dapo_jax import plan as plan_lib  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax import plan_estimates as est  # noqa: E402  # pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "qwen25_1_5b_lora.py")
 GiB = 1024**3
 
 
-def plan_row(preset: str, target: str, rank: int, prompts_per_call: int) -> dict:
+def analytic_target(spec: str) -> plan_lib.Target:
+  """``spec``'s target; a TPU one analytic (no libtpu compile: the GPU targets' estimate)."""
+  if not spec.startswith("tpu:"):
+    return plan_lib.parse_target(spec)
+  gen, topology = spec.split(":")[1:]
+  chips = math.prod(int(x) for x in topology.split("x"))
+  return plan_lib.Target("tpu", f"{gen}:{topology}", chips,
+                         int(est.TPU_HBM_GIB[gen] * GiB), None)
+
+
+def plan_row(preset: str, target: str, rank: int, prompts_per_call: int,
+             config_file: str = CONFIG, extra: tuple[str, ...] = ()) -> dict:
   config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
-      "--config", CONFIG, "--target", target, f"--config.model.preset={preset}",
+      "--config", config_file, "--target", "cpu:1", f"--config.model.preset={preset}",
       f"--config.model.lora.rank={rank}",
-      f"--config.rollout.prompts_per_call={prompts_per_call}"]))
-  plan = plan_lib.make_plan(config, plan_lib.parse_target(target))
+      f"--config.rollout.prompts_per_call={prompts_per_call}", *extra]))
+  plan = plan_lib.make_plan(config, analytic_target(target))
   return {"preset": preset, "target": target, "rank": rank,
           "prompts_per_call": prompts_per_call,
           "rows_per_call": prompts_per_call * config.rollout.n,
           "fits": plan["fits"], "capacity_gib": plan["hbm_bytes"] / GiB,
           "peak_gib": plan["peak_bytes"] / GiB,
           "phases_gib": {k: v / GiB for k, v in plan["phase_peaks"].items()},
-          "train_state_gib": plan["train"]["state_bytes"] / GiB}
+          "train_state_gib": plan["train"]["state_bytes"] / GiB,
+          "train_parts_gib": {k: v / GiB for k, v in plan["train"]["parts"].items()},
+          "flops_analytic": plan["flops_analytic"]}
+
+
+def gen_batch_size(config_file: str, extra: tuple[str, ...]) -> int:
+  return plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", config_file, "--target", "cpu:1", *extra])).algorithm.gen_batch_size
 
 
 def largest_fitting(preset: str, target: str, rank: int, headroom: float,
-                    calls=(16, 12, 8, 6, 4, 2, 1)) -> dict:
+                    config_file: str = CONFIG, extra: tuple[str, ...] = (),
+                    calls=(16, 8, 6, 4, 2, 1)) -> dict:
   """The row at the most prompts per rollout call that fits with ``headroom`` (a share of the
   capacity) to spare, else the row at one prompt."""
   row = None
   for ppc in calls:
-    row = plan_row(preset, target, rank, ppc)
+    if gen_batch_size(config_file, extra) % ppc:  # a call size must divide the batch
+      continue
+    row = plan_row(preset, target, rank, ppc, config_file, extra)
     row["fits"] = row["fits"] and row["peak_gib"] <= (1 - headroom) * row["capacity_gib"]
     if row["fits"]:
       return row
@@ -61,13 +89,18 @@ def main() -> None:
   p.add_argument("--ranks", default="32,0")
   p.add_argument("--headroom", type=float, default=0.05,
                  help="share of the usable memory a fitting row leaves free (a margin)")
+  p.add_argument("--config", default=os.path.relpath(CONFIG, ROOT), help="config file")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a config override for every row (dapo-train's --config.KEY=VALUE)")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   rows = []
   for preset in args.presets.split(","):
     for target in args.targets.split(","):
       for rank in (int(r) for r in args.ranks.split(",")):
-        row = largest_fitting(preset, target, rank, args.headroom)
+        row = largest_fitting(preset, target, rank, args.headroom,
+                              os.path.join(ROOT, args.config),
+                              tuple(f"--config.{kv}" for kv in args.set))
         rows.append(row)
         what = "LoRA r%d" % rank if rank else "full"
         print(f"{preset:14s} {target:20s} {what:9s} "
@@ -78,7 +111,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
       json.dump({"method": "dapo-plan analytic estimate (GPU targets)",
-                 "config": os.path.relpath(CONFIG, ROOT), "headroom": args.headroom,
+                 "config": args.config, "overrides": args.set, "headroom": args.headroom,
                  "rows": rows}, f, indent=1)
 
 
