@@ -20,8 +20,8 @@ RUNS_ON = r'''
 runtime the install cell installs `dapo_jax[tpu]` or `dapo_jax[cuda]` so that JAX finds the
 accelerator, and the same cells run there (a 1M-parameter model gains little from it).
 `lora_rank` (parameters cell) trains low-rank adapters only, with the base frozen: on an
-accelerator runtime that is what lets a larger checkpoint fit (`model.checkpoint`); which sizes
-fit which runtime is not measured yet (docs/lora.md).
+accelerator runtime that is what lets a larger checkpoint fit. "Larger models" below says which
+Qwen2.5 sizes fit which runtime, with and without adapters (dapo-plan estimates, docs/lora.md).
 '''
 
 CELLS = [
@@ -54,6 +54,39 @@ if os.environ.get("DAPO_COLAB_SMOKE") == "1":
   }
 workdir = os.environ.get("DAPO_COLAB_WORKDIR", workdir)
 ''', ("parameters",)),
+    ("md", r'''
+## Larger models: which size fits which runtime
+
+The same trainer runs a Qwen2.5 checkpoint from a cell on an accelerator runtime, e.g. with
+`configs/qwen25_1_5b_lora.py` (rank-32 adapters on every projection, base frozen in bf16; 1024
+prompt + 3072 response tokens, G = 8, micro-batch 1; `configs/` comes with a clone of the
+repository, not with the pip package):
+
+```
+!dapo-train --config configs/qwen25_1_5b_lora.py --workdir /content/run \
+    --config.model.checkpoint=/content/Qwen2.5-1.5B   # a Hugging Face directory
+```
+
+What fits, from `dapo-plan`'s per-device memory: an ESTIMATE (the analytic model; not a run,
+not a compile) for the GPUs, at 92% of their memory; TPU v5e-1 rows say whether they were
+compiled (docs/lora.md, "What fits where", has the commands and every figure). "LoRA" is rank
+32, "full" trains every parameter (fp32 master weights and Adam moments); the number is the
+largest rollout call, in prompts x 8 samples, that leaves 5% of the memory free.
+
+| model | T4 (16 GB) | L4 (24 GB) | A100 (40 GB) | TPU v5e-1 (16 GiB) |
+|---|---|---|---|---|
+| Qwen2.5-0.5B | LoRA 16, full 12 | LoRA 16, full 16 | LoRA 16, full 16 | LoRA 16, full 16 |
+| Qwen2.5-1.5B | LoRA 6; full no (26.6 GiB) | LoRA 12; full no | LoRA 16, full 12 | LoRA 8; full no |
+| Qwen2.5-3B | LoRA 1; full no (53 GiB) | LoRA 6; full no | LoRA 16; full no | LoRA 2; full no |
+| Qwen2.5-7B | no (LoRA 29.2 GiB) | no | LoRA 2; full no (129 GiB) | no |
+
+Without adapters the fp32 master copy and Adam's two moments cost 12 bytes per parameter, so a
+1.5B model's training state alone (17.3 GiB) exceeds a T4; with rank 32 it is 3.3 GiB (the bf16
+base, 2 bytes per parameter, plus 37M adapter parameters' 12). Caveats: the T4 has no bf16 tensor
+cores (bf16 matmuls run near its fp32 peak: slow); JAX takes 75% of GPU memory unless
+`XLA_PYTHON_CLIENT_MEM_FRACTION=0.92` is set before it starts; the free T4 tier's session limits
+allow a few steps, not a run.
+'''),
     ("md", r'''
 ## The run configuration
 
