@@ -511,6 +511,13 @@ def test_the_pages_name_commands():
   assert "bash launch/test.sh" in ci  # CI runs the README's test command
 
 
+def test_bench_readme_lists_every_script():
+  text = open(os.path.join(ROOT, "bench", "README.md"), encoding="utf-8").read()
+  missing = [f for f in sorted(os.listdir(os.path.join(ROOT, "bench")))
+             if f.endswith(".py") and not f.startswith("_") and f"`{f}`" not in text]
+  assert not missing, f"bench/README.md does not list {missing}: add what each measures"
+
+
 def test_every_command_in_the_docs_parses():
   failures = []
   for cmd, words in _all_commands():
