@@ -113,7 +113,11 @@ def tpu_devices(topology: str) -> list:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    return list(topologies.get_topology_desc(topology, "tpu").devices)
+    dims = [int(x) for x in topology.partition(":")[2].split("x") if x.isdigit()]
+    # A slice smaller than libtpu's default 2x2x1 host (v5e-1, a notebook's chip) is one host.
+    host = ({"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
+            if dims and math.prod(dims) < 4 else {})
+    return list(topologies.get_topology_desc(topology, "tpu", **host).devices)
   except Exception as err:  # pylint: disable=broad-except
     raise RuntimeError(
         f"Cannot describe TPU topology {topology!r} ({err}). TPU planning compiles with libtpu: "
