@@ -82,6 +82,27 @@ def largest_fitting(preset: str, target: str, rank: int, headroom: float,
   return row
 
 
+def rederive(path: str, config_file: str, overrides: tuple[str, ...]) -> dict:
+  """A saved dapo-plan JSON's phase peaks with today's LoRA rollout accounting
+  (`plan_estimates.lora_rollout_bytes`), for plans compiled before it (the compiled programs'
+  figures are the JSON's own)."""
+  with open(path, encoding="utf-8") as f:
+    plan = json.load(f)
+  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+      "--config", config_file, "--target", "cpu:1", *overrides]))
+  rollout = plan.get("continuous_rollout", plan["rollout"])
+  state = plan["train"]["state_bytes"]
+  extra = est.lora_rollout_bytes(config, plan_lib.plan_model_config(config), plan["num_devices"],
+                                 rollout["parts"]["params"])
+  peaks = dict(plan["phase_peaks"])
+  if extra:
+    peaks.update(reshard=state + sum(extra.values()),
+                 rollout=state + sum(extra.values()) + rollout["peak"] - rollout["parts"]["params"])
+  return {"plan": path, "lora_rollout_gib": {k: v / GiB for k, v in (extra or {}).items()},
+          "phases_gib": {k: v / GiB for k, v in peaks.items()},
+          "peak_gib": max(peaks.values()) / GiB, "capacity_gib": plan["hbm_bytes"] / GiB}
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--presets", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b")
@@ -93,7 +114,14 @@ def main() -> None:
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="a config override for every row (dapo-train's --config.KEY=VALUE)")
   p.add_argument("--out", default=None)
+  p.add_argument("--rederive", default=None, metavar="PLAN.json",
+                 help="print a saved dapo-plan JSON's phases with today's LoRA accounting "
+                      "(--config and --set as the plan's command)")
   args = p.parse_args()
+  if args.rederive:
+    print(json.dumps(rederive(args.rederive, os.path.join(ROOT, args.config),
+                              tuple(f"--config.{kv}" for kv in args.set)), indent=1))
+    return
   rows = []
   for preset in args.presets.split(","):
     for target in args.targets.split(","):
