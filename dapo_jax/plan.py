@@ -555,7 +555,9 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
         logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
     plan["estimate"] = est.step_estimate(config, plan, target.chip)
   if target.chip is not None and target.hbm_bytes is not None:  # closed form: any such target
-    resident = plan["train"]["state_bytes"] + plan["rollout"]["parts"]["params"]
+    resident = plan["train"]["state_bytes"] + (  # LoRA: merged kernels (+ a base copy)
+        sum(plan["lora_rollout"].values()) if "lora_rollout" in plan
+        else plan["rollout"]["parts"]["params"])
     plan["paged_estimate"] = plan_paged.estimate(config, mcfg, target.chip, target.num_devices,
                                                  target.hbm_bytes, resident)
   return plan
