@@ -113,13 +113,6 @@ def train_batch(batch: int, length: int, response: int, vocab: int, seed: int = 
       advantages=jnp.asarray(np.where(np.arange(batch) % 2, -1.0, 1.0), jnp.float32))
 
 
-def _run(compiled, state, batch):
-  """One call of a compiled `TrainStep.lower` program: it takes the donated state without its
-  frozen part (`state.rest`, a LoRA run's base), then that part, the batch and the step."""
-  new, metrics = compiled(state.replace(rest=None), state.rest, batch, jnp.int32(0))
-  return new.replace(rest=state.rest), metrics
-
-
 def _need_bytes(compiled) -> int:
   m = compiled.memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -162,7 +155,7 @@ def measure_train(preset: str, args, peak_flops: float) -> dict:
   def compile_at(mb):
     batch = train_batch(mb, length, response, cfg.vocab_size)
     t = time.perf_counter()
-    compiled = ts.TrainStep(graphdef, tcfg(mb)).lower(state, batch).compile()
+    compiled = ts.TrainStep(graphdef, tcfg(mb)).compile(state, batch)
     print(f"  {preset}: compiled micro-batch {mb} in {time.perf_counter() - t:.0f} s, needs "
           f"{_need_bytes(compiled) / GIB:.1f} GiB", flush=True)
     return compiled
@@ -173,7 +166,7 @@ def measure_train(preset: str, args, peak_flops: float) -> dict:
   while True:
     batch = train_batch(mb, length, response, cfg.vocab_size)
     try:
-      state, metrics = _run(compiled, state, batch)  # warm-up
+      state, metrics = compiled(state, batch, 0)  # warm-up
       jax.block_until_ready(metrics)
       break
     except jax.errors.JaxRuntimeError as e:  # pragma: no cover - needs an accelerator
@@ -185,7 +178,7 @@ def measure_train(preset: str, args, peak_flops: float) -> dict:
   times = []
   for _ in range(args.steps):
     t = time.perf_counter()
-    state, metrics = _run(compiled, state, batch)
+    state, metrics = compiled(state, batch, 0)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
   step_s = statistics.median(times)

@@ -94,20 +94,28 @@ def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step:
     model = create_model(run_setup.model_config(config, tokenizer), seed=config.seed, mesh=mesh,
                          rules=rules)
   graphdef, base, rest = nnx.split(model, nnx.Param, ...)
-  adapters, step = restore_adapters(config, model, workdir, step, mesh, rules)
+  adapters, step = restore_adapters(config, model, workdir, step, mesh, rules, base=base)
   return graphdef, base, rest, adapters, step
 
 
 def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, step: int | None,
-                     mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES):
+                     mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES,
+                     base: nnx.State | None = None):
   """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (its base: concrete
-  or abstract), which gets the run's adapters attached."""
+  or abstract), which gets the run's adapters attached. With ``base`` (``model``'s weights), a
+  checkpoint whose adapters trained on another base is refused in one line."""
+  from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
   lora.add_adapters(model, lora.LoRAConfig.from_config(config.model.lora), mesh=None)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32),
                           nnx.state(model, lora.Adapter))
   restored = orbax_ckpt.restore_params_only(checkpoint_dir(workdir), step,
                                             abstract_params=_targets(abstract, mesh, rules))
+  if base is not None:
+    lora_base.check(
+        f"{checkpoint_dir(workdir)} step {restored.step}", restored.meta.get("lora_base"),
+        lora_base.record(config, base), "pass the base it trained on "
+        "(--config.model.checkpoint=<its HF directory>, or the run's --config.seed for a preset)")
   return restored.params, restored.step
 
 

@@ -354,25 +354,13 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
 
 def lora_base(config: ml_collections.ConfigDict, state: TrainState) -> dict[str, Any]:
   """Where a LoRA run's frozen base comes from and the fingerprint of its weights."""
-  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  m = config.model
-  source = m.checkpoint or f"preset {m.preset} (random init, seed {config.seed})"
-  return {"source": source, **orbax_ckpt.fingerprint_record(state.rest)}
+  from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
+  return base_lib.record(config, state.rest)
 
 
 def check_lora_base(run: Run, meta: dict[str, Any]) -> None:
   """Refuses, in one line, adapters restored onto a base other than the one they trained on
   (or a LoRA checkpoint restored without LoRA, and the reverse)."""
-  saved, have = meta.get("lora_base"), run.lora_base
-  if saved is None and have is None:
-    return
-  where = f"{run.checkpointer.directory} step {meta['step']}"
-  if saved is None or have is None:
-    raise ValueError(f"{where} was written {'without' if saved is None else 'with'} "
-                     f"model.lora, and this launch has it {'on' if saved is None else 'off'}: "
-                     "relaunch with the run's model.lora settings or start a new workdir.")
-  if (saved["fingerprint"], saved["signature"]) != (have["fingerprint"], have["signature"]):
-    raise ValueError(f"{where} holds LoRA adapters of the base {saved['source']} (fingerprint "
-                     f"{saved['fingerprint']}), not of this launch's {have['source']} "
-                     f"(fingerprint {have['fingerprint']}): relaunch with that base or start a "
-                     "new workdir.")
+  from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
+  base_lib.check(f"{run.checkpointer.directory} step {meta['step']}", meta.get("lora_base"),
+                 run.lora_base, "relaunch with that base or start a new workdir")

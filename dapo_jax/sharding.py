@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import logging
 import math
+import re
 from typing import Any, Sequence
 
 import jax
@@ -364,3 +365,26 @@ def reshard_cost(tree: Any, src: Any, dst: Any) -> ReshardCost:
   mem = compiled.memory_analysis()
   return ReshardCost(src=per_device_bytes(tree, src), dst=per_device_bytes(tree, dst),
                      temp=int(getattr(mem, "temp_size_in_bytes", 0)) if mem else 0)
+
+
+_COLLECTIVE = re.compile(r"= (\([^=]*?\)|\S+) (?:all-gather|all-to-all|collective-permute|"
+                         r"all-reduce|reduce-scatter)(-start)?\(")
+_HLO_ARRAY = re.compile(r"\b(pred|[su]\d+|bf16|f\d+\w*)\[([\d,]*)\]")
+
+
+def collective_bytes(hlo_text: str) -> int:
+  """Bytes per device that a compiled SPMD program's collectives produce (the sum of their
+  result arrays): what a layout change moves between devices. An async ``-start`` op counts its
+  largest array once (its tuple also holds the operand); the matching ``-done`` is not counted.
+  (XLA's CPU backend has no bf16 collectives: it moves bf16 values as f32.)"""
+  total = 0
+  for m in _COLLECTIVE.finditer(hlo_text):
+    sizes = [math.prod(int(d) for d in dims.split(",") if d) * _hlo_itemsize(t)
+             for t, dims in _HLO_ARRAY.findall(m.group(1))]
+    total += (max(sizes) if m.group(2) else sum(sizes)) if sizes else 0
+  return total
+
+
+def _hlo_itemsize(name: str) -> int:
+  """Bytes of one element of an HLO element type (pred, s32, u8, bf16, f32, f8e4m3fn, ...)."""
+  return 1 if name == "pred" else max(1, int(re.match(r"[a-z]+(\d+)", name).group(1)) // 8)

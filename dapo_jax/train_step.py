@@ -400,9 +400,17 @@ class TrainStep(_Compiled):
     return self._jits[key]
 
   def lower(self, state: TrainState, batch: TrainBatch):
-    """Ahead-of-time lowering; `state` and `batch` may hold ShapeDtypeStructs."""
+    """Ahead-of-time lowering; `state` and `batch` may hold ShapeDtypeStructs. The compiled
+    program takes `(state without rest, rest, batch, step)`: `compile` wraps it back into the
+    step's own `(state, batch, step)` call."""
     step = jax.ShapeDtypeStruct((), jnp.int32)
     return self.jitted(state, batch).lower(state.replace(rest=None), state.rest, batch, step)
+
+  def compile(self, state: TrainState, batch: TrainBatch) -> CompiledTrainStep:
+    """Ahead-of-time compilation for this state / batch structure (either may be abstract):
+    `compiled(state, batch, rollout_step) -> (state, metrics)` as `__call__`, plus the
+    compiled program's `memory_analysis()`, `cost_analysis()` and `as_text()`."""
+    return CompiledTrainStep(self.lower(state, batch).compile(), self)
 
   def __call__(self, state: TrainState, batch: TrainBatch, rollout_step: int | jax.Array
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -410,9 +418,32 @@ class TrainStep(_Compiled):
       # Host or differently placed batches are moved first: an argument whose
       # sharding differs from the last call would make jit trace again.
       batch = jax.device_put(batch, self._batch_shardings(batch))
-    new, metrics = self.jitted(state, batch)(state.replace(rest=None), state.rest, batch,
-                                             jnp.asarray(rollout_step, jnp.int32))
-    return new.replace(rest=state.rest), metrics
+    return _call_split(self.jitted(state, batch), state, batch, rollout_step)
+
+
+def _call_split(program, state: TrainState, batch: TrainBatch, rollout_step):
+  """Calls a (jitted or compiled) step program, which takes the donated state without its
+  `rest` apart from `rest`, and puts `rest` back into the new state."""
+  new, metrics = program(state.replace(rest=None), state.rest, batch,
+                         jnp.asarray(rollout_step, jnp.int32))
+  return new.replace(rest=state.rest), metrics
+
+
+class CompiledTrainStep:
+  """`TrainStep.compile`'s program, called like the step: `(state, batch, rollout_step)`."""
+
+  def __init__(self, compiled: Any, step: TrainStep):
+    self.compiled, self._step = compiled, step
+
+  def __call__(self, state: TrainState, batch: TrainBatch, rollout_step: int | jax.Array
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    step = self._step
+    if step.mesh is not None:  # a compiled program takes exactly its input layout
+      batch = jax.device_put(batch, step._batch_shardings(batch))  # pylint: disable=protected-access
+    return _call_split(self.compiled, state, batch, rollout_step)
+
+  def __getattr__(self, name: str) -> Any:  # memory_analysis, cost_analysis, as_text, ...
+    return getattr(self.compiled, name)
 
 
 class LogProbForward(_Compiled):

@@ -59,7 +59,10 @@ def test_fresh_adapters_leave_the_model_unchanged_and_train_alone(scan=True):
   batch = _batch(np.random.RandomState(0))
   _, m_full = ts.TrainStep(fg, cfg)(fstate, batch, 0)
   base_before = _host(state.rest)
-  new, m_lora = ts.TrainStep(graphdef, cfg)(state, batch, 0)
+  # Ahead of time (`compile`: the step's own call; the program takes the base apart).
+  compiled = ts.TrainStep(graphdef, cfg).compile(state, batch)
+  assert compiled.memory_analysis().argument_size_in_bytes > 0
+  new, m_lora = compiled(state, batch, 0)
   assert float(m_lora["loss"]) == float(m_full["loss"])  # measured before the update
   assert float(m_lora["skipped"]) == 0 and float(m_lora["grad_norm"]) > 0
   # The optimizer state holds moments of the adapters alone (mu and nu: 2 per adapter).
@@ -117,93 +120,156 @@ def test_config_validation_is_one_line(field, value, words):
   config_lib.validate(c)
 
 
+TRAIN_MESH = [("data", 1), ("fsdp", 4), ("tensor", 2)]
+ROLLOUT_MESH = [("data", 4), ("fsdp", 1), ("tensor", 2)]  # another layout than training's
+
+
 def test_an_adapter_update_reaches_both_samplers():
-  """The peers' silent bug: adapters trained but never sampled. After an adapter update, the
-  static sampler's and the continuous engine's log-probs are the adapted policy's (the training
-  forward's of the same tokens), not the base's; the KL reference (zero adapters) is the base."""
+  """The peers' silent bug: adapters trained but never sampled. Training on one mesh, the
+  static sampler on another: after each of two adapter updates, the static sampler's and the
+  continuous engine's log-probs are the adapted policy's (the training forward's of the same
+  tokens), not the base's (the KL reference: zero adapters). Only adapters move per step: the
+  base stays resident in the rollout layout and the merge there has no collectives."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.weights import MergedRolloutWeights  # pylint: disable=g-import-not-at-top
-  model = create_model(get_preset("test"), seed=0)
+  train_mesh, rollout_mesh = shd.make_mesh(TRAIN_MESH), shd.make_mesh(ROLLOUT_MESH)
+  model = create_model(get_preset("test"), seed=0, mesh=train_mesh)
   sampler_graphdef, _ = nnx.split(model)
   lcfg = lora.LoRAConfig(rank=4, alpha=8.0)
-  lora.add_adapters(model, lcfg, seed=1)
+  lora.add_adapters(model, lcfg, seed=1, mesh=train_mesh)
   cfg = ts.TrainConfig(logit_chunk_size=0)
-  graphdef, state = ts.init_train_state(model, cfg)
-  to_rollout = MergedRolloutWeights(jnp.float32, None, lcfg.scale, base=state.rest)
+  graphdef, state = ts.init_train_state(model, cfg, train_mesh)
+  to_rollout = MergedRolloutWeights(jnp.float32, rollout_mesh, lcfg.scale, base=state.rest)
   keys = iter(jax.random.split(jax.random.key(5), 100))
-  updated = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), state.params)
+  noise = lambda t: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), t)
   zeros = jax.tree.map(jnp.zeros_like, state.params)  # run_setup.reference_policy under LoRA
   fwd = ts.LogProbForward(graphdef, cfg, rest=state.rest)
   sp = SamplingParams(max_new_tokens=R, eos_ids=(), pad_id=0)
   prompts = jnp.asarray(np.random.RandomState(2).randint(1, VOCAB, (2, P)), jnp.int32)
   mask = jnp.ones((2, P), bool)
-  engines = {"static": Sampler(sampler_graphdef).generate,
-             "continuous": continuous.make_rollout_fn(sampler_graphdef, max_concurrent_decodes=4,
-                                                      max_prefill_length=P)}
-  for name, generate in engines.items():
-    out = generate(to_rollout(updated), prompts, mask, jax.random.key(0), sp, 2)
-    ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.response_ids)], 1)
-    attn = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], 1)
-    logp, _, ref = fwd(updated, ids.astype(jnp.int32), attn.astype(jnp.int32), R,
-                       ref_params=zeros)
-    m = np.asarray(out.response_mask)
-    sampled = np.asarray(out.logprobs)
-    np.testing.assert_allclose(sampled[m], np.asarray(logp)[m], atol=2e-4, err_msg=name)
-    assert np.abs(sampled[m] - np.asarray(ref)[m]).max() > 1e-2, name  # not the base's
+  static = Sampler(sampler_graphdef, mesh=rollout_mesh, rules=shd.SAMPLE_RULES).generate
+  engine = continuous.make_rollout_fn(sampler_graphdef, max_concurrent_decodes=4,
+                                      max_prefill_length=P)
+  adapters = state.params
+  for update in range(2):  # the second update must reach the samplers too (nothing cached)
+    adapters = noise(adapters)
+    weights = to_rollout(adapters)
+    one_device = jax.device_put(weights, jax.devices()[0])
+    for name, generate, w in (("static", static, weights), ("continuous", engine, one_device)):
+      out = generate(w, prompts, mask, jax.random.key(update), sp, 2)
+      ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.response_ids)], 1)
+      attn = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], 1)
+      logp, _, ref = fwd(adapters, ids.astype(jnp.int32), attn.astype(jnp.int32), R,
+                         ref_params=zeros)
+      m, sampled, where = np.asarray(out.response_mask), np.asarray(out.logprobs), (name, update)
+      np.testing.assert_allclose(sampled[m], np.asarray(logp)[m], atol=2e-4, err_msg=str(where))
+      assert np.abs(sampled[m] - np.asarray(ref)[m]).max() > 1e-2, where  # not the base's
+  # What moved: the base once (resident, in the rollout layout); per step the adapters only.
+  base = to_rollout.rollout_base()
+  for x, s in zip(jax.tree.leaves(base), jax.tree.leaves(to_rollout.rollout_shardings(base))):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  assert to_rollout.resident_bytes == shd.per_device_bytes(base, jax.tree.map(
+      lambda x: x.sharding, base)) > 0
+  kernels, _ = to_rollout.split_kernels(base, adapters)
+  moved = to_rollout.move_adapters(adapters)
+  hlo = to_rollout._fn.lower(moved, kernels).compile().as_text()  # pylint: disable=protected-access
+  assert shd.collective_bytes(hlo) == 0  # the merge runs where the rollout reads it
+  for x, s in zip(jax.tree.leaves(moved), jax.tree.leaves(to_rollout.rollout_shardings(moved))):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
 
 
 def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path):
   """dapo-train with model.lora and the KL loss: checkpoints hold the adapters alone (and their
-  base's fingerprint), a 1 + 1 step run resumes to the 2-step run's adapters bit for bit, the
-  reference is the base (nothing written), and a launch on another base is refused."""
+  base's fingerprint), a run resumed at step 1 reaches the uninterrupted run's step-2 adapters
+  bit for bit, the reference is the base (nothing written); dapo-eval, dapo-serve and
+  dapo-export read the run on its base, and refuse another base in one line, as a resume does."""
+  import shutil  # pylint: disable=g-import-not-at-top
   from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
   from tests.test_train_e2e import _params, _small_config  # pylint: disable=g-import-not-at-top
   cfg = lambda n: _small_config(**{"model.lora.rank": 2, "model.lora.alpha": 4.0,
                                    "algorithm.use_kl_loss": True, "optim.lr": 1e-2,
-                                   "num_steps": n})
-  full, part = str(tmp_path / "full"), str(tmp_path / "part")
-  m = train_and_evaluate(cfg(2), full)
+                                   "rollout.engine": "static", "num_steps": n})
+  full, part = tmp_path / "full", tmp_path / "part"
+  m = train_and_evaluate(cfg(2), str(full))  # checkpoints at steps 1 and 2
   assert np.isfinite(m["actor/kl"]) and m["actor/kl"] > 0  # moved away from the base
-  assert not (tmp_path / "full" / run_setup.REFERENCE_DIR).exists()
-  train_and_evaluate(cfg(1), part)
-  train_and_evaluate(cfg(2), part)
-  a, b = _params(full, 2), _params(part, 2)
+  assert not (full / run_setup.REFERENCE_DIR).exists()
+  # A run stopped after step 1's checkpoint (its workdir, compile cache included), resumed.
+  shutil.copytree(full, part)
+  shutil.rmtree(part / "checkpoints" / "2")
+  train_and_evaluate(cfg(2), str(part))
+  a, b = _params(str(full), 2), _params(str(part), 2)
   n_layers = 1  # _small_config's model
   assert len(a) == len(b) == 2 * 7 * n_layers  # lora_a and lora_b of q k v o gate up down
   for x, y in zip(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  _check_policy_and_exports(cfg(2), part, b, tmp_path)
-  with pytest.raises(ValueError, match="holds LoRA adapters of the base") as err:
-    c = cfg(3)
-    c.seed = 1  # another random base
-    train_and_evaluate(c, part, allow_config_change=("seed",))
-  assert "\n" not in str(err.value)
+  _check_policy_and_exports(cfg(2), str(part), b, tmp_path)
+  other = cfg(3)
+  other.seed = 1  # another random base
+  _check_other_base_is_refused(other, str(part))
 
 
 def _check_policy_and_exports(config, workdir, adapters, tmp_path):
-  """dapo-eval / dapo-serve / dapo-export read a LoRA workdir as its merged weights."""
+  """dapo-eval / dapo-serve / dapo-export read a LoRA workdir as its merged weights: the ones
+  the trainer's rollout read at that step, bit for bit, which sample other answers than the
+  base's."""
   import json  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
-  from dapo_jax import export  # pylint: disable=g-import-not-at-top
+  from dapo_jax import evaluate, export, run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
-  pol = policy_lib.load_policy(config, workdir=workdir)
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.rollout.weights import MergedRolloutWeights  # pylint: disable=g-import-not-at-top
+  pol = policy_lib.load_policy(config, workdir=workdir, mesh=policy_lib.sampling_mesh(config))
   graphdef, base, _, restored, step = policy_lib.lora_parts(
-      config, pol.tokenizer, workdir, None, None)
+      config, pol.tokenizer, workdir, None, pol.mesh)
   assert pol.step == step == 2
   for x, y in zip(jax.tree.leaves(restored), adapters):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  scale = config.model.lora.alpha / config.model.lora.rank
-  want = lora.merge_adapters(base, restored, scale)
-  jax.tree.map(np.testing.assert_array_equal, _host(pol.params), _host(want))
   differs = [not np.array_equal(np.asarray(x), np.asarray(y))
              for x, y in zip(jax.tree.leaves(pol.params), jax.tree.leaves(base))]
   assert sum(differs) == 7  # the 7 adapted kernels of the one layer, nothing else
+  # The trainer's rollout weights at step 2: its base in the training layout, the adapters
+  # restored there, merged by the trainer's MergedRolloutWeights.
+  mesh = run_setup.build_mesh(config)
+  model = run_setup.build_model(config, pol.tokenizer, mesh)
+  train_base = nnx.state(model, nnx.Param)
+  train_adapters, _ = policy_lib.restore_adapters(config, model, workdir, None, mesh,
+                                                  shd.TRAIN_RULES, base=train_base)
+  scale = config.model.lora.alpha / config.model.lora.rank
+  trainer = MergedRolloutWeights(model.config.jnp_param_dtype, run_setup.build_rollout_mesh(
+      config, mesh), scale, base=train_base)(train_adapters)
+  for x, y in zip(jax.tree.leaves(pol.params), jax.tree.leaves(trainer)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+  # dapo-eval's evaluation: its samples are the adapted model's, not the base's.
+  records = run_setup.load_dataset(config.data.eval, config, "eval")
+  lora_eval, ev = evaluate.evaluate_policy(config, pol, records)
+  texts = ev.last_texts
+  base_eval, ev = evaluate.evaluate_policy(config, pol._replace(params=base), records)
+  assert lora_eval["eval/num_samples"] == base_eval["eval/num_samples"] == 32
+  assert sum(x != y for x, y in zip(texts, ev.last_texts)) > len(texts) // 2
   merged, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
   export.main([f"--workdir={workdir}", f"--out={merged}"])
   assert {"config.json", "model.safetensors"} <= set(os.listdir(merged))
   export.main([f"--workdir={workdir}", f"--out={peft_dir}", "--peft"])
   cfg = json.load(open(os.path.join(peft_dir, "adapter_config.json")))
   assert (cfg["r"], cfg["lora_alpha"], len(cfg["target_modules"])) == (2, 4.0, 7)
+
+
+def _check_other_base_is_refused(config, workdir):
+  """A resume, dapo-eval and dapo-serve on another base than the adapters trained on: one line
+  each, naming both bases."""
+  from dapo_jax import evaluate, serve  # pylint: disable=g-import-not-at-top
+  from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  launches = {
+      "resume": lambda: train_and_evaluate(config, workdir, allow_config_change=("seed",)),
+      "dapo-eval": lambda: evaluate.main([f"--workdir={workdir}", "--config.seed=1"]),
+      "dapo-serve": lambda: serve.load_model(config, workdir=workdir)}
+  for name, launch in launches.items():
+    with pytest.raises(ValueError, match="holds LoRA adapters of the base") as err:
+      launch()
+    msg = str(err.value)
+    assert "\n" not in msg and "seed 0" in msg and "seed 1" in msg, (name, msg)

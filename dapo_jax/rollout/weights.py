@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
 from dapo_jax.models import cast_params
+
+_log = logging.getLogger(__name__)
 
 
 class RolloutWeights:
@@ -41,22 +45,87 @@ class RolloutWeights:
 
 class MergedRolloutWeights(RolloutWeights):
   """A LoRA run's policy as the rollout reads it: the frozen base with the trained adapters
-  merged in (``W + alpha / rank * A @ B``, models/lora.py), cast to the model's dtype and laid
-  out for the rollout, once per training step. The samplers then decode a plain model: nothing
-  adapter-specific runs per token. ``base`` is the train state's ``rest`` (the trainer keeps it
-  current: it is never donated or replaced by a step).
+  merged in (``W + alpha / rank * A @ B``, models/lora.py), in the model's dtype and the rollout
+  layout, once per training step. The samplers then decode a plain model: nothing
+  adapter-specific runs per token. ``base`` is the train state's ``rest`` (never donated or
+  replaced by a step).
+
+  Only adapter bytes move per step. When the base's training layout is not the rollout layout
+  (a ``config.rollout_mesh``, or ``SAMPLE_RULES`` replicating what training splits over
+  ``fsdp``), a copy of the base in the rollout layout is made on the first call and kept for
+  the run (``resident_bytes`` per device). Each step then moves the adapters (fp32) to the
+  rollout layout and merges there. The merged copy holds new arrays for the adapted kernels
+  only; every other leaf (embeddings, norms, biases) is the rollout base's own array.
   """
 
   def __init__(self, dtype: Any, mesh: Mesh | None, scale: float, base: Any = None):
     super().__init__(dtype, mesh)
-    self.scale, self.base = scale, base
+    self.scale = scale
+    self._base = self._rollout_base = None
+    self.base = base
+
+  @property
+  def base(self) -> Any:
+    return self._base
+
+  @base.setter
+  def base(self, base: Any) -> None:
+    """A new base (``Run.fresh_optimizer``) gets its rollout copy on the next call."""
+    self._base, self._rollout_base = base, None
+
+  def rollout_shardings(self, tree: Any) -> Any:
+    """``tree``'s rollout layout; None (wherever it is) on one device."""
+    return None if self.mesh is None else shd.state_shardings(tree, self.mesh, shd.SAMPLE_RULES)
+
+  def rollout_base(self) -> Any:
+    """The base in the model's dtype and the rollout layout: the train state's own arrays when
+    they are laid out so already, else the resident copy (made once)."""
+    if self._rollout_base is None:
+      base, want = self._base, self.rollout_shardings(self._base)
+      same = want is None or all(
+          x.sharding.is_equivalent_to(s, x.ndim)
+          for x, s in zip(jax.tree.leaves(base), jax.tree.leaves(want)))
+      if same and all(x.dtype == self.dtype for x in _floats(base)):
+        self._rollout_base = base
+      else:
+        self._rollout_base = jax.jit(functools.partial(cast_params, dtype=self.dtype),
+                                     out_shardings=want)(base)
+        _log.info("LoRA rollout: the frozen base is kept in the rollout layout too (%.1f MiB "
+                  "per device, for the run); each step moves only the adapters and merges there.",
+                  self.resident_bytes / 2**20)
+    return self._rollout_base
+
+  @property
+  def resident_bytes(self) -> int:
+    """Bytes per device of the rollout copy of the base kept for the run (0: none kept)."""
+    rb = self.rollout_base()
+    if rb is self._base:
+      return 0
+    return shd.per_device_bytes(rb, jax.tree.map(lambda x: x.sharding, rb))
+
+  def split_kernels(self, base: Any, adapters: Any) -> tuple[nnx.State, list]:
+    """(the adapted kernels of ``base``, ``base``'s flat state)."""
+    adapted = {p[:-1] for p, _ in nnx.to_flat_state(adapters)}
+    flat = list(nnx.to_flat_state(base))
+    kernels = [(p, v) for p, v in flat if p[-1] == "kernel" and p[:-1] in adapted]
+    return nnx.from_flat_state(kernels), flat
+
+  def move_adapters(self, adapters: Any) -> Any:
+    """The adapters in the rollout layout: the only bytes that move per step."""
+    want = self.rollout_shardings(adapters)
+    return adapters if want is None else jax.device_put(adapters, want)
 
   def __call__(self, adapters):
+    from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
+    base = self.rollout_base()
+    kernels, flat = self.split_kernels(base, adapters)
     if self._fn is None:
-      from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
-      def merge(adapters, base):
-        return cast_params(lora.merge_adapters(base, adapters, self.scale), self.dtype)
-      out = (None if self.mesh is None else shd.state_shardings(
-          jax.eval_shape(merge, adapters, self.base), self.mesh, shd.SAMPLE_RULES))
-      self._fn = jax.jit(merge, out_shardings=out)
-    return self._fn(adapters, self.base)
+      def merge(adapters, kernels):
+        return cast_params(lora.merge_adapters(kernels, adapters, self.scale), self.dtype)
+      self._fn = jax.jit(merge, out_shardings=self.rollout_shardings(kernels))
+    merged = dict(nnx.to_flat_state(self._fn(self.move_adapters(adapters), kernels)))
+    return nnx.from_flat_state([(p, merged.get(p, v)) for p, v in flat])
+
+
+def _floats(tree: Any) -> list:
+  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
