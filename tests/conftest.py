@@ -8,3 +8,13 @@ if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="module")
+def split_model():
+  """The tiny test preset's (graphdef, state), seed 0: the continuous engines' tests' model."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import create_model, get_preset  # pylint: disable=g-import-not-at-top
+  return nnx.split(create_model(get_preset("test"), seed=0))

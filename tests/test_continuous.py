@@ -23,11 +23,6 @@ NUM_SLOTS = 4  # fewer than the 5 x 3 rows: slots are refilled inside the compil
 BUDGETS = [3, 9, 1, 12, 5, 12, 2, 7, 12, 4, 12, 6, 1, 8, 12]  # one per row (b*G + g)
 
 
-@pytest.fixture(scope="module")
-def split_model():
-  return nnx.split(create_model(get_preset("test"), seed=0))
-
-
 def _prompts(b=5):
   """Left-padded prompts of different lengths."""
   rng = np.random.default_rng(0)

@@ -1,15 +1,14 @@
 """The continuous engine over a paged KV cache: the same tokens as the dense engine whatever the
-page size, pool size (preemptions included), slot count or mesh; prompt pages stored once;
-a pool too small for one sample is refused; the chunk never copies the pool."""
+page size, pool size (preemptions included), slot count or mesh; prompt pages stored once (in
+one data shard's pool on a mesh); a pool too small for one sample is refused; the chunk never
+copies the pool."""
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from dapo_jax import config as config_lib
 from dapo_jax import sharding as shd
-from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout import continuous
 from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout.sampling import SamplingParams
@@ -17,11 +16,6 @@ from tests.hlo_checks import big_copies
 
 G, R = 3, 24
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=R, eos_ids=(5, 7), pad_id=0)
-
-
-@pytest.fixture(scope="module")
-def split_model():
-  return nnx.split(create_model(get_preset("test"), seed=0))
 
 
 def _prompts(b=5):
@@ -71,23 +65,59 @@ def test_paged_engine_draws_the_dense_engines_tokens(split_model, dense, page_si
     assert stats.preemptions == 0 and stats.stalled_slot_steps == 0
 
 
-def test_paged_slots_sharded_over_a_mesh_match_one_device(split_model, dense):
+# The mesh case: 4 data shards (2 x 2; tensor 2 splits the KV heads), 4 slots and a pool of 16
+# pages of 4 tokens each: every prompt and sample is in flight at once, and a shard's 4 slots of
+# up to 40 tokens outgrow its pool.
+MESH_KW = dict(kv_cache="paged", page_size=4, kv_pages=16, num_slots=16)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return shd.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+
+
+def test_paged_slots_sharded_over_a_mesh_match_one_device(split_model, dense, mesh):
   ref, _ = dense
-  mesh = shd.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
-  out, stats = _generate(*split_model, kv_cache="paged", page_size=4, kv_pages=16, num_slots=8,
-                         mesh=mesh)
+  out, stats = _generate(*split_model, mesh=mesh, **MESH_KW)
   np.testing.assert_array_equal(out.response_ids, ref.response_ids)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-  # A pool per data shard (4 here), 16 pages of 4 for its 2 slots of up to 40 tokens besides
-  # its copy of the queued prompts: the shards preempt on their own.
-  assert stats.preemptions > 0
-  sampler = continuous.ContinuousSampler(split_model[0], num_slots=8, max_prefill_length=16,
-                                         mesh=mesh, kv_cache="paged", page_size=4, kv_pages=16)
-  stream = sampler.open_stream(split_model[1], params=PARAMS, num_samples=G,
-                               key=jax.random.key(0), prompt_length=9)
+  assert stats.preemptions > 0  # each shard preempts on its own; re-queued, the same tokens
+  stream = _mesh_stream(split_model, mesh)
   k = stream._engine.slots.decode.cache.k[0]  # pylint: disable=protected-access
   assert k.shape[:3] == (4, 2, 16)  # [S, K, P, T, E]
   assert k.sharding.shard_shape(k.shape)[:3] == (1, 1, 16)  # a shard's pool, heads split
+  stream.close()
+
+
+def _mesh_stream(split_model, mesh):
+  """A stream of the mesh case's shapes (its programs compiled once, by the test above)."""
+  sampler = continuous.ContinuousSampler(split_model[0], chunk_steps=6, max_prefill_length=16,
+                                         mesh=mesh, attention_impl="xla", **MESH_KW)
+  return sampler.open_stream(split_model[1], params=PARAMS, num_samples=G,
+                             key=jax.random.key(7), prompt_length=9)
+
+
+def test_a_queued_prompt_is_stored_in_one_shard_and_decoded_there(split_model, mesh):
+  """Enqueue writes each prompt's pages into one shard's pool (not a copy per shard), spreads
+  the prompts over the shards, and admits a prompt's samples only into its shard's slots."""
+  ids, mask = _prompts()
+  stream = _mesh_stream(split_model, mesh)
+  for i in range(len(ids)):
+    stream.admit(ids[i][mask[i]], prompt_index=i)
+  stream._enqueue()  # pylint: disable=protected-access
+  engine = jax.device_get(stream._engine)  # pylint: disable=protected-access
+  refcount_SxP, q = engine.slots.decode.cache.refcount, engine.queue
+  need = sum(-(-int(m.sum()) // 4) for m in mask)  # 2 pages each
+  assert stream.last_stats.prompts_prefilled == len(ids)
+  assert refcount_SxP.sum() == need  # one hold on one copy of each prompt's pages
+  assert np.all((refcount_SxP > 0).sum(1) > 0)  # 5 prompts over 4 shards: none left empty
+  for e in np.flatnonzero(q.waiting.any(1)):  # an entry's pages are in its shard's pool
+    assert np.all(refcount_SxP[q.shard[e], q.pages[e][q.pages[e] >= 0]] == 1)
+  stream._chunk()  # pylint: disable=protected-access
+  s = jax.device_get(stream._engine.slots)  # pylint: disable=protected-access
+  shard_of_seq = dict(zip(q.seq.tolist(), q.shard.tolist()))
+  placed = [(n // 4, shard_of_seq[int(s.owner[n]) // G]) for n in np.flatnonzero(s.owner >= 0)]
+  assert len(placed) >= len(ids) and all(a == b for a, b in placed), placed
   stream.close()
 
 

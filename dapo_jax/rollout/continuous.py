@@ -8,7 +8,9 @@ The host side of the engine whose compiled programs live in `rollout/slot_progra
   share), then runs compiled chunks of decode steps that admit queued samples into free slots
   themselves, reading the emitted tokens once per chunk, until a group has finished. A sample
   the paged engine preempted (out of pages) is re-queued here and decoded again from its first
-  token: it draws the same tokens.
+  token: it draws the same tokens. With a pool per data shard, the host gives each enqueued
+  prompt to one shard (`_assign`): its pages are written there only and its samples decode in
+  that shard's slots.
 * `ContinuousSampler.generate`: the static sampler's contract (rows prompt-major) on a stream.
 
     sampler = ContinuousSampler(graphdef, num_slots=64, mesh=mesh)
@@ -130,10 +132,16 @@ class ContinuousStream:
     self._groups: dict[int, _Group] = {}  # seq -> group, until returned by poll
     self._index_seen: set[int] = set()
     self._stats = RolloutStats(num_slots=sampler.num_slots)
-    # Paged: the host mirrors the pool's page count to enqueue only prompts that get pages.
+    # Paged: the host mirrors each shard's page count to enqueue only prompts that get pages,
+    # and knows each queue entry's shard, its pages and each shard's live slots.
     pages = self._paged.num_pages if self._paged else 0
+    shards = self._paged.shards if self._paged else 1
     self._stats.kv_pages = self._stats.min_free_pages = pages
-    self._free_pages, self._entry_pages = pages, np.zeros((self._queue_size,), np.int64)
+    self._free_pages = np.full((shards,), pages, np.int64)
+    self._entry_pages = np.zeros((self._queue_size,), np.int64)
+    self._entry_shard = np.zeros((self._queue_size,), np.int64)
+    self._entry_waiting = np.zeros((self._queue_size,), np.int64)  # samples not yet in a slot
+    self._live = np.zeros((shards,), np.int64)
     self._page_blocked = False
 
   def _put(self, x: np.ndarray):
@@ -172,27 +180,42 @@ class ContinuousStream:
   def num_pending(self) -> int:
     return len(self._groups)
 
-  def _pages_allow(self, take: int) -> int:
-    """How many of the first `take` host prompts the paged pool takes now: each gets its pages
-    (the device's `alloc_prompts` rule), and the queue's holds leave room for one sample of
-    the longest prompt to run to its full length, so the oldest sample can always finish."""
+  def _assign(self, take: int) -> list[int]:
+    """The shards of the first host prompts the paged pools take now (all of the first `take`
+    with a dense cache: shard 0). Each goes to the shard with the fewest samples decoding or
+    queued (then the most free pages, then the lowest index) among those where it gets its
+    pages (the device's `alloc_prompts` rule) and the queue's holds leave room for one sample
+    of the longest prompt to run to its full length, so that each shard's oldest sample can
+    always finish; the first prompt no shard takes ends the list (first come, first served).
+    Computed from the chunk outputs every process reads, so every process agrees."""
     if self._paged is None:
-      return take
-    t, pages = self._paged.page_size, self._paged.num_pages
+      return [0] * take
+    t, pages, shards = self._paged.page_size, self._paged.num_pages, self._paged.shards
     one = self._paged.max_pages(self._max_prompt + self._params.max_new_tokens) + 1
-    free, held = self._free_pages, int(self._entry_pages.sum())
+    free = self._free_pages.copy()
+    held = np.bincount(self._entry_shard, self._entry_pages, shards).astype(np.int64)
+    load = self._live + np.bincount(self._entry_shard, self._entry_waiting, shards).astype(
+        np.int64)
+    out = []
     for i in range(take):
-      need = paged_kv.pages_for(self._groups[self._host[i][0]].prompt_ids.size, t)
-      if need > free or held + need + one > pages:
-        return i
-      free, held = free - need, held + need
-    return take
+      seq, budget = self._host[i]
+      need = paged_kv.pages_for(self._groups[seq].prompt_ids.size, t)
+      fits = np.flatnonzero((need <= free) & (held + need + one <= pages))
+      if not fits.size:
+        break
+      shard = min(fits.tolist(), key=lambda x: (load[x], -free[x], x))
+      out.append(shard)
+      free[shard] -= need
+      held[shard] += need
+      load[shard] += int((budget > 0).sum())
+    return out
 
   def _enqueue(self) -> None:
     """Prefills as many host-side prompts as the device queue has free entries (and the paged
-    pool has pages) for."""
+    pools have pages) for."""
     room = min(len(self._free_entries), len(self._host))
-    take = self._pages_allow(room)
+    shards = self._assign(room)
+    take = len(shards)
     self._page_blocked = take < room
     if not take:
       return
@@ -202,17 +225,19 @@ class ContinuousStream:
     key_id, seq = np.zeros((m,), np.int32), np.zeros((m,), np.int32)
     budget = np.ones((m, self._g), np.int32)
     entry = np.full((m,), self._queue_size, np.int32)  # out of range: padding, dropped
+    shard = np.zeros((m,), np.int32)
     for row in range(take):
       sq, budget[row] = self._host.popleft()
       grp = self._groups[sq]
       tokens[row, :grp.prompt_ids.size] = grp.prompt_ids
       true_len[row], key_id[row], seq[row] = grp.prompt_ids.size, grp.prompt_index, sq
-      entry[row] = self._free_entries.pop(0)
+      e = entry[row] = self._free_entries.pop(0)
       if self._paged is not None:
         need = paged_kv.pages_for(grp.prompt_ids.size, self._paged.page_size)
-        self._entry_pages[entry[row]] = need
-        self._free_pages -= need
-    args = map(self._put, (tokens, true_len, key_id, seq, budget, entry))
+        shard[row] = self._entry_shard[e] = shards[row]
+        self._entry_pages[e], self._entry_waiting[e] = need, int((budget[row] > 0).sum())
+        self._free_pages[shards[row]] -= need
+    args = map(self._put, (tokens, true_len, key_id, seq, budget, entry, shard))
     self._engine = self._progs.enqueue(self._state, self._engine, *args)
     self._stats.enqueues += 1
     self._stats.prompts_prefilled += take
@@ -234,8 +259,10 @@ class ContinuousStream:
         raise RuntimeError(f"The paged engine could not give {int(out.lost)} enqueued prompt(s) "
                            "pages although the host counted enough; please report this.")
       self._entry_pages[queued == 0] = 0  # the entry dropped its hold
-      self._free_pages = int(out.free_pages)
-      st.min_free_pages = min(st.min_free_pages, self._free_pages)
+      self._entry_waiting = queued.astype(np.int64)
+      self._free_pages = np.asarray(out.free_pages, np.int64)
+      self._live = np.asarray(out.live, np.int64)
+      st.min_free_pages = min(st.min_free_pages, int(self._free_pages.min()))
       st.stalled_slot_steps += int(out.stalls)
     owner = np.asarray(out.owner_KxN)
     k_idx, n_idx = np.nonzero(owner >= 0)  # step-major: each sample's tokens in order
@@ -319,12 +346,14 @@ class ContinuousSampler:
     max_admit: most samples placed into free slots per decode step (0: min(N, max(16, N/8))):
       admission samples the first tokens of that many rows whenever a slot is free, so it is kept
       well below N; the rest of the free slots fill on the next steps.
-    kv_cache: "paged" (one page pool shared by all slots, prompts' pages shared by their
-      samples, attention over live pages), "dense" (each slot reserves prompt + response) or
-      "auto" (paged on TPU and GPU, and on CPU from PAGED_MIN_CACHE_LENGTH_CPU positions).
+    kv_cache: "paged" (a page pool per data shard shared by its slots, a queued prompt's pages
+      in one shard's pool shared by its samples, attention over live pages), "dense" (each slot
+      reserves prompt + response) or "auto" (paged on TPU and GPU, and on CPU from
+      PAGED_MIN_CACHE_LENGTH_CPU positions).
     page_size: tokens per page (paged).
-    kv_pages: pages in the pool (paged); 0 sizes it by `kv_hbm_fraction` of the accelerator
-      memory left free, capped at what every slot at full length needs (on CPU: that cap).
+    kv_pages: pages in each data shard's pool (paged); 0 sizes it by `kv_hbm_fraction` of the
+      accelerator memory left free, capped at what every slot at full length and the queued
+      prompts need (on CPU: that cap).
     attention_impl: the paged decode attention (`models/paged_attention.PAGED_IMPLS`).
   """
 

@@ -34,7 +34,7 @@ from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout.sampling import SamplingParams
 
 CACHE_SIZE = 32  # stream shapes whose compiled programs the process keeps
-ENQUEUE_ARGS = 6  # tokens [M, P], true length [M], key id [M], seq [M], budget [M, G], entry [M]
+ENQUEUE_ARGS = 7  # tokens [M, P], true length, key id, seq [M], budget [M, G], entry, shard [M]
 
 
 def replicated_sharding(mesh: Mesh | None, state: Any = None):

@@ -4,9 +4,11 @@ Shapes: Q queued prompts, G samples per prompt, P prompt slots, N decode slots, 
 slots, K decode steps per chunk, A most slots admitted per step.
 
 The KV cache is dense (each slot reserves S positions, each queue entry P) or, with a
-`PagedSpec`, one page pool (`models/paged_kv.py`): a prompt's pages are written once at enqueue
-and shared by its G samples (reference counts, the last partial page copied on write), a slot
-holds only the pages its tokens need and attention reads only live pages.
+`PagedSpec`, one page pool per data shard (`models/paged_kv.py`): a queued prompt belongs to one
+shard (the host picks it at enqueue), its pages are written once into that shard's pool and
+shared by its G samples (reference counts, the last partial page copied on write), which only
+that shard's slots take; a slot holds only the pages its tokens need and attention reads only
+live pages.
 
 * `init_program`: an empty queue and N empty slots (slots laid out over the batch axes).
 * `enqueue_program`: prefills M prompts ONCE each into free queue entries (their cache, or their
@@ -14,17 +16,19 @@ holds only the pages its tokens need and attention reads only live pages.
   there until slots take them.
 * `chunk_program`: a `lax.while_loop` of up to K steps. Each step first admits queued samples
   into the free slots (first come, first served: dense, the prompt's cache row is copied, in
-  place, into each of its samples' slots; paged, the slot's page table points at the prompt's
-  pages; the sample's first token is drawn from the prompt's hidden state), then runs one
+  place, into each of its samples' slots; paged, a free slot of the prompt's shard takes it and
+  its page table points at the prompt's pages; the sample's first token is drawn from the
+  prompt's hidden state), then runs one
   decode step over all N slots (the model's `decode_step` or `decode_step_paged`). Every slot
   that stored its token emits it; a slot frees itself after its stop token or budget.
-  Paged admission also waits for free pages (one per live slot stays in reserve). A step in
-  which a slot finds no page preempts the youngest live sample (largest owner): its pages are
-  freed and the chunk reports it; the host re-queues it from its first token, and as every
-  token is drawn with fold_in(request key, position) it redraws the same tokens.
-  The loop ends after K steps, when nothing is left to decode, or when the queue runs dry while
-  a slot is free and the host has prompts to enqueue. Its outputs are replicated, so the host
-  reads them (once per chunk) on every process.
+  Paged admission also waits for free pages (one per live slot of the shard stays in
+  reserve). A step in which a slot finds no page preempts its shard's youngest live sample
+  (largest owner): its pages are freed and the chunk reports it; the host re-queues it from its
+  first token, and as every token is drawn with fold_in(request key, position) it redraws the
+  same tokens, whichever shard and slot it lands in.
+  The loop ends after K steps, when nothing is left to decode, or when a queue entry is free,
+  a shard has a free slot and no queued sample, and the host has prompts to enqueue. Its
+  outputs are replicated, so the host reads them (once per chunk) on every process.
 
 The host driver is `rollout/continuous.py`.
 """
@@ -55,8 +59,8 @@ SMALL_ADMIT = 4  # admission variant for steps with few free slots
 @dataclasses.dataclass(frozen=True)
 class PagedSpec:
   """A paged engine's pools (static: part of the compiled programs' shape): one pool per data
-  shard (S = the mesh's batch shards), each serving that shard's N/S slots; every queued
-  prompt is written into each shard's pool, so any slot can take it."""
+  shard (S = the mesh's batch shards), each serving that shard's N/S slots; a queued prompt is
+  written into one shard's pool (`Queue.shard`), and only that shard's slots take it."""
   num_pages: int  # pages in each shard's pool
   page_size: int  # tokens per page
   impl: str = "auto"  # decode attention kernel (`models/paged_attention.py`)
@@ -71,8 +75,10 @@ class PagedSpec:
 class Queue:
   """Q prefilled prompts whose samples wait for slots."""
   cache: KVCache | None  # dense: [Q, P]
-  pages: jax.Array | None  # paged: [S, Q, M] int32 the prompt's pages in each shard's pool
-  # (-1 none), held until every sample is placed
+  pages: jax.Array | None  # paged: [Q, M] int32 the prompt's pages (ids in its shard's pool,
+  # -1 none), held until every sample is placed
+  shard: jax.Array  # [Q] int32 the data shard whose pool holds the prompt and whose slots
+  # take its samples (0 for a dense cache: any slot)
   hidden: jax.Array  # [Q, D] hidden state at the prompt's last token
   position: jax.Array  # [Q] int32 prompt tokens = position of the first response token
   key_id: jax.Array  # [Q] int32 prompt index (first fold of the request keys)
@@ -109,7 +115,8 @@ class ChunkOut:
   queued: jax.Array  # [Q] samples of each entry not yet in a slot (0: entry free)
   preempted_KxS: jax.Array  # [K, S] int32 owner each shard preempted at each step, -1 none
   stalls: jax.Array  # [] int32 slot-steps that waited for a page (paged)
-  free_pages: jax.Array  # [] int32 free pages of the fullest shard after the chunk (-1 dense)
+  free_pages: jax.Array  # [S] int32 free pages of each shard's pool after the chunk (-1 dense)
+  live: jax.Array  # [S] int32 slots of each shard holding a sample after the chunk
   lost: jax.Array  # [] int32 the engine's `lost`
 
 
@@ -161,10 +168,10 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
       qcache = model.init_cache(queue_size, prompt_length)
       qcache, pages = qcache.replace(k=per_layer(heads, qcache.k),
                                      v=per_layer(heads, qcache.v)), None
-    else:
-      qcache, pages = None, _slot_rows(jnp.full(
-          (paged.shards, queue_size, paged.max_pages(cache_length)), -1, jnp.int32))
-    queue = Queue(cache=qcache, pages=pages,
+    else:  # small ids, replicated: every shard reads the rows of the prompts it admits
+      qcache, pages = None, _replicated(jnp.full(
+          (queue_size, paged.max_pages(cache_length)), -1, jnp.int32))
+    queue = Queue(cache=qcache, pages=pages, shard=zq,
                   hidden=jnp.zeros((queue_size, model.config.hidden_size),
                                    model.config.jnp_dtype),
                   position=zq, key_id=zq, seq=zq + EMPTY_SEQ,
@@ -175,34 +182,36 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("engine",))
 def enqueue_program(state, engine: Engine, tokens_MxP, true_length_M, key_id_M, seq_M,
-                    budget_MxG, entry_M, *, graphdef, mesh: Mesh | None) -> Engine:
+                    budget_MxG, entry_M, shard_M=None, *, graphdef, mesh: Mesh | None) -> Engine:
   """Prefills M right-padded prompts into queue entries `entry_M` (Q = padding, dropped); the
-  samples with a budget > 0 wait for slots (a re-queued preempted sample: only its own)."""
+  samples with a budget > 0 wait for slots (a re-queued preempted sample: only its own).
+  Paged: prompt m's pages go into shard `shard_M[m]`'s pool only (None: shard 0)."""
   TRACES.record("enqueue")
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     cache, h_MxD, position_M = sl.prefill_hidden(nnx.merge(graphdef, state), tokens_MxP,
                                                  true_length_M)
   q, d, lost = engine.queue, engine.slots.decode, engine.lost
+  shard_M = jnp.zeros_like(entry_M) if shard_M is None else shard_M
   put = lambda dst, src: dst.at[entry_M].set(src.astype(dst.dtype), mode="drop")
   if q.pages is None:
     qcache, pages = q.cache.insert(cache, entry_M), None
-  else:  # the prompt's pages, written once per shard; a prompt a pool cannot take is counted
+  else:  # each shard allocates and writes only its own prompts (in order: the host's rule)
     real_M = entry_M < q.seq.shape[0]
-    pool, pages_SxMxP, ok_SxM = jax.vmap(paged_kv.alloc_prompts, in_axes=(0, None, None))(
-        d.cache, position_M, real_M)
-    ok_M = ok_SxM.all(0)
-    pages_SxMxP = jnp.where(ok_M[None, :, None], pages_SxMxP, -1)
-    pool = jax.vmap(paged_kv.release)(pool, jnp.where(ok_M[None, :, None], -1, pages_SxMxP))
+    mine_SxM = real_M[None] & (shard_M[None] == jnp.arange(d.cache.shards)[:, None])
+    pool, pages_SxMxP, ok_SxM = jax.vmap(paged_kv.alloc_prompts, in_axes=(0, None, 0))(
+        d.cache, position_M, mine_SxM)
     pool = jax.vmap(paged_kv.write_prompts, in_axes=(0, 0, None, None, None))(
         pool, pages_SxMxP, cache.k, cache.v, position_M)
+    ok_M = ok_SxM.any(0)
     lost = lost + (real_M & ~ok_M).sum(dtype=jnp.int32)
-    entry_M = jnp.where(ok_M, entry_M, q.seq.shape[0])
+    entry_M = jnp.where(ok_M, entry_M, q.seq.shape[0])  # a prompt without pages is dropped
     d = d.replace(cache=pool)
-    qcache, pages = None, q.pages.at[:, entry_M].set(pages_SxMxP, mode="drop")
-  queue = Queue(cache=qcache, pages=pages, hidden=put(q.hidden, h_MxD),
-                position=put(q.position, position_M), key_id=put(q.key_id, key_id_M),
-                seq=put(q.seq, seq_M), budget=put(q.budget, budget_MxG),
-                waiting=put(q.waiting, budget_MxG > 0))
+    # Other shards' rows are -1: the max is the prompt's shard's pages.
+    qcache, pages = None, put(q.pages, _replicated(pages_SxMxP.max(0)))
+  queue = Queue(cache=qcache, pages=pages, shard=put(q.shard, shard_M),
+                hidden=put(q.hidden, h_MxD), position=put(q.position, position_M),
+                key_id=put(q.key_id, key_id_M), seq=put(q.seq, seq_M),
+                budget=put(q.budget, budget_MxG), waiting=put(q.waiting, budget_MxG > 0))
   return Engine(queue=queue, slots=engine.slots.replace(decode=d), lost=lost)
 
 
@@ -229,28 +238,39 @@ def _no_admission(engine: Engine, pad_to: int) -> _Admission:
                     count=jnp.zeros((), jnp.int32), waiting=engine.queue.waiting)
 
 
+def _waiting_per_shard(q: Queue, shards: int) -> jax.Array:
+  """[S] samples queued for each shard's slots."""
+  return jnp.zeros((shards,), jnp.int32).at[q.shard].add(q.waiting.sum(1, dtype=jnp.int32))
+
+
 def _choose(model, engine: Engine, base_key_data, params: SamplingParams, max_admit: int,
-            pad_to: int, limit: jax.Array) -> _Admission:
-  """Up to `max_admit` (and `limit`) waiting samples, oldest prompt first, each prompt's in
-  sample order, for the free slots; their first tokens sampled from the prompts' hidden states."""
+            pad_to: int, limit_S: jax.Array) -> _Admission:
+  """Up to `max_admit` waiting samples, oldest prompt first, each prompt's in sample order, for
+  the free slots of the prompts' shards (at most `limit_S` per shard); their first tokens
+  sampled from the prompts' hidden states."""
   q, s = engine.queue, engine.slots
-  (nq, g), n = q.budget.shape, s.live.shape[0]
-  free_N = ~s.live
-  order_Q = jnp.argsort(q.seq)  # first come, first served
-  left_Q = q.waiting.sum(1, dtype=jnp.int32)[order_Q]
-  end_Q = jnp.cumsum(left_Q)
-  r_A = jnp.arange(max_admit)
-  count = jnp.minimum(jnp.minimum(end_Q[-1], free_N.sum()),
-                      jnp.minimum(max_admit, limit)).astype(jnp.int32)
-  ok_A = r_A < count
-  # The r-th free slot takes the r-th waiting sample.
-  slot_A = jnp.where(ok_A, jnp.nonzero(free_N, size=max_admit, fill_value=n)[0], n)
-  j_A = jnp.minimum(jnp.searchsorted(end_Q, r_A, side="right"), end_Q.shape[0] - 1)
-  entry_A = order_Q[j_A]
-  rank_A = r_A - (end_Q[j_A] - left_Q[j_A])  # among the entry's waiting samples
-  w_AxG = q.waiting[entry_A]
-  sample_A = jnp.argmax(w_AxG & (jnp.cumsum(w_AxG, axis=1) - 1 == rank_A[:, None]),
-                        axis=1).astype(jnp.int32)
+  (nq, g), n, shards = q.budget.shape, s.live.shape[0], limit_S.shape[0]
+  ns, f = n // shards, nq * g
+  # Every queued sample in first-come order ([F] = [Q * G]: prompts by seq, then samples).
+  order_Q = jnp.argsort(q.seq)
+  waiting_F = q.waiting[order_Q].reshape(-1)
+  entry_F, sample_F = jnp.repeat(order_Q, g), jnp.tile(jnp.arange(g, dtype=jnp.int32), nq)
+  shard_F = q.shard[entry_F]
+  in_FxS = waiting_F[:, None] & (shard_F[:, None] == jnp.arange(shards)[None])
+  rank_F = jnp.take_along_axis(jnp.cumsum(in_FxS, 0, dtype=jnp.int32), shard_F[:, None],
+                               1)[:, 0] - 1  # among its shard's queued samples
+  free_SxR = ~s.live.reshape(shards, ns)
+  room_S = jnp.minimum(free_SxR.sum(1, dtype=jnp.int32), limit_S)
+  eligible_F = waiting_F & (rank_F < room_S[shard_F])
+  count = jnp.minimum(eligible_F.sum(dtype=jnp.int32), max_admit)
+  ok_A = jnp.arange(max_admit) < count
+  f_A = jnp.nonzero(eligible_F, size=max_admit, fill_value=f - 1)[0]
+  entry_A, sample_A, shard_A = entry_F[f_A], sample_F[f_A], shard_F[f_A]
+  # A shard's r-th eligible sample takes its r-th free slot (the eligible are a prefix of
+  # each shard's queued samples, so the first `count` of them use distinct slots).
+  free_slots_SxR = jnp.argsort(~free_SxR, axis=1, stable=True)
+  slot_A = jnp.where(ok_A, shard_A * ns + free_slots_SxR[shard_A, jnp.minimum(rank_F[f_A],
+                                                                            ns - 1)], n)
   keys_Ax2 = request_keys(base_key_data, jnp.stack([q.key_id[entry_A], sample_A], -1))
   position_A = q.position[entry_A]
   token_A, logprob_A = sl.sample_first(model, q.hidden[entry_A], position_A, keys_Ax2, params)
@@ -277,16 +297,18 @@ def _place(engine: Engine, adm: _Admission) -> Engine:
         lambda i, c: c.copy_row(q.cache, adm.entry[i], adm.slot[i], adm.position[i]), d.cache)
     q = q.replace(waiting=adm.waiting)
   else:  # each shard attaches its own slots (global slot n: shard n // (N/S))
-    ns = d.cache.table.shape[1]
+    shards, ns = d.cache.shards, d.cache.table.shape[1]
+    pages_AxM = q.pages[adm.entry]
 
-    def attach(c, shard, pages_QxM):
+    def attach(c, shard):
       local_A = jnp.where(adm.slot // ns == shard, adm.slot % ns, ns)
-      return paged_kv.attach(c, local_A, pages_QxM[adm.entry], adm.position)
+      return paged_kv.attach(c, local_A, pages_AxM, adm.position)
 
-    cache = jax.vmap(attach)(d.cache, jnp.arange(d.cache.shards), q.pages)
+    cache = jax.vmap(attach)(d.cache, jnp.arange(shards))
     emptied_Q = q.waiting.any(1) & ~adm.waiting.any(1)
-    cache = jax.vmap(paged_kv.release)(cache, jnp.where(emptied_Q[None, :, None], q.pages, -1))
-    q = q.replace(waiting=adm.waiting, pages=jnp.where(emptied_Q[None, :, None], -1, q.pages))
+    drop_SxQ = emptied_Q[None] & (q.shard[None] == jnp.arange(shards)[:, None])
+    cache = jax.vmap(paged_kv.release)(cache, jnp.where(drop_SxQ[:, :, None], q.pages[None], -1))
+    q = q.replace(waiting=adm.waiting, pages=jnp.where(emptied_Q[:, None], -1, q.pages))
   put = lambda dst, src: dst.at[adm.slot].set(src.astype(dst.dtype), mode="drop")
   zeros = jnp.zeros_like(adm.slot)
   decode = d.replace(cache=cache, token=put(d.token, adm.token),
@@ -330,7 +352,8 @@ class _Carry:
   step: jax.Array
   engine: Engine
   out: ChunkOut
-  short: jax.Array  # [] bool a slot found no page at the last step: admit nothing now
+  short: jax.Array  # [S] bool a slot of the shard found no page at the last step: the shard
+  # admits nothing now
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("chunk_steps", "max_admit", "paged"),
@@ -341,33 +364,37 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
   """Up to `chunk_steps` steps of admit + decode; see the module docstring for when it stops."""
   TRACES.record("chunk")
   n = engine.slots.live.shape[0]
+  shards = paged.shards if paged is not None else 1  # a dense queue serves any slot
+  live_S = lambda e: e.slots.live.reshape(shards, -1).sum(1, dtype=jnp.int32)
   with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
     model = nnx.merge(graphdef, state)
 
-    def queued(e: Engine) -> jax.Array:
-      return e.queue.waiting.sum(dtype=jnp.int32)
-
     def cond(c: _Carry) -> jax.Array:
-      waiting, live = queued(c.engine), c.engine.slots.live
-      starved = (waiting == 0) & ~jnp.all(live) & host_has_more
-      return (c.step < chunk_steps) & (jnp.any(live) | (waiting > 0)) & ~starved
+      q, live_N = c.engine.queue, c.engine.slots.live
+      waiting_S = _waiting_per_shard(q, shards)
+      # A shard with a free slot and nothing queued for it while the host could fill a free
+      # queue entry: end the chunk so that the host enqueues.
+      idle = jnp.any((live_S(c.engine) < n // shards) & (waiting_S == 0))
+      starved = idle & ~jnp.all(q.waiting.any(1)) & host_has_more
+      return (c.step < chunk_steps) & (jnp.any(live_N) | jnp.any(q.waiting)) & ~starved
 
     def body(c: _Carry) -> _Carry:
       e = c.engine
+      # What each shard can place now: its free slots, its queued samples and, paged, its free
+      # pages less one in reserve per live slot (nothing the step after a slot found no page).
+      free_S = n // shards - live_S(e)
+      limit_S = jnp.full((shards,), n, jnp.int32)
+      if paged is not None:
+        limit_S = jnp.where(c.short, 0, jnp.maximum(
+            e.slots.decode.cache.free_pages() - live_S(e), 0))
+      can = jnp.minimum(jnp.minimum(free_S, _waiting_per_shard(e.queue, shards)), limit_S).sum()
       # Choosing costs the first-token logits of what it may place, so the usual step, with a
       # slot or two free, takes a small variant. The switch returns small arrays only: a
       # branch returning the engine made XLA copy the whole KV cache twice per step.
-      can = jnp.minimum((~e.slots.live).sum(), queued(e))
-      limit = jnp.asarray(n, jnp.int32)
-      if paged is not None:  # a free page per live slot stays in reserve, in every shard
-        live_S = e.slots.live.reshape(paged.shards, -1).sum(1, dtype=jnp.int32)
-        limit = jnp.where(c.short, 0, jnp.maximum(
-            (e.slots.decode.cache.free_pages() - live_S).min(), 0))
-        can = jnp.minimum(can, limit)
       sizes = sorted({min(SMALL_ADMIT, max_admit), max_admit})
       branches = [functools.partial(_no_admission, pad_to=max_admit)] + [
           functools.partial(_choose, model, base_key_data=base_key_data, params=params,
-                            max_admit=a, pad_to=max_admit, limit=limit) for a in sizes]
+                            max_admit=a, pad_to=max_admit, limit_S=limit_S) for a in sizes]
       adm = jax.lax.switch(jnp.where(can == 0, 0, jnp.where(can <= sizes[0], 1, len(sizes))),
                            branches, e)
       e = _place(e, adm)
@@ -390,21 +417,20 @@ def chunk_program(state, engine: Engine, base_key_data, host_has_more, *, graphd
                       done_KxN=put(o.done_KxN, done_N))
       slots = s.replace(decode=decode, live=live_N, count=count_N)
       return _Carry(step=c.step + 1, engine=e.replace(slots=slots), out=out,
-                    short=jnp.any(short_N))
+                    short=short_N.reshape(shards, -1).any(1))
 
     full = lambda v, dtype: jnp.full((chunk_steps, n), v, dtype)
-    zero = jnp.zeros((), jnp.int32)
+    zero, zero_S = jnp.zeros((), jnp.int32), jnp.zeros((shards,), jnp.int32)
     out = ChunkOut(tokens_KxN=full(0, jnp.int32), logprobs_KxN=full(0.0, jnp.float32),
                    owner_KxN=full(-1, jnp.int32), done_KxN=full(False, bool), steps=zero,
                    queued=engine.queue.waiting.sum(1, dtype=jnp.int32),
-                   preempted_KxS=jnp.full((chunk_steps, paged.shards if paged else 1), -1,
-                                          jnp.int32), stalls=zero,
-                   free_pages=zero - 1, lost=engine.lost)
+                   preempted_KxS=jnp.full((chunk_steps, shards), -1, jnp.int32), stalls=zero,
+                   free_pages=zero_S - 1, live=zero_S, lost=engine.lost)
     last = jax.lax.while_loop(cond, body, _Carry(step=zero, engine=engine, out=out,
-                                                 short=jnp.zeros((), bool)))
+                                                 short=jnp.zeros((shards,), bool)))
     e = last.engine
-    free = e.slots.decode.cache.free_pages().min() if paged is not None else zero - 1
+    free_S = e.slots.decode.cache.free_pages() if paged is not None else zero_S - 1
     out = last.out.replace(steps=last.step, queued=e.queue.waiting.sum(1, dtype=jnp.int32),
-                           free_pages=free, lost=e.lost)
+                           free_pages=free_S, live=live_S(e), lost=e.lost)
     out = jax.tree.map(_replicated, out)
   return last.engine, out
