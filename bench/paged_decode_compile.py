@@ -32,7 +32,7 @@ def main() -> None:
   ap.add_argument("--pages", type=int, default=35329, help="pool pages per data shard")
   ap.add_argument("--page_size", type=int, default=64)
   ap.add_argument("--max_len", type=int, default=2048 + 20480)
-  ap.add_argument("--impl", default="pallas_tpu")
+  ap.add_argument("--impl", default="pallas_tpu", help="pallas_tpu, or ragged_tpu (combined pool)")
   ap.add_argument("--scan", type=int, default=1, help="scanned layers (the 32B config's)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()

@@ -22,6 +22,7 @@ implied MFU. It leaves out communication and host time.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import glob
@@ -380,9 +381,11 @@ def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   return out | {"rows": n, "prompts_per_call": b, "cache_segments": segments}
 
 
-def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams):
+def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
+                         paged=None):
   """The continuous engine's programs (`rollout/slot_programs.py`) lowered as the trainer's
-  `ContinuousSampler` runs them: its state (`init`: the slots' KV cache and the prompt queue),
+  `ContinuousSampler` runs them: its state (`init`: the slots' KV cache, or with ``paged`` (a
+  `PagedSpec`) the page pools and tables, and the prompt queue),
   an `enqueue` that prefills one prompt into the queue (in steady state the queue frees an
   entry at a time) and a chunk of decode steps with in-loop admission. Returns a dict with the
   slot and queue sizes, the rollout parameters' bytes per device and either the lowered
@@ -403,7 +406,7 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   prompt_slots = sl.prefill_bucket(p)
   init = prog.init_program.lower(
       state, graphdef=graphdef, num_slots=sampler.num_slots, queue_size=q, num_samples=g,
-      prompt_length=prompt_slots, cache_length=prompt_slots + r, mesh=prog_mesh)
+      prompt_length=prompt_slots, cache_length=prompt_slots + r, mesh=prog_mesh, paged=paged)
   init_compiled, oom, _ = _compile(init)
   info = {"slots": sampler.num_slots, "enqueue_rows": 1, "queue_prompts": q,
           "chunk_steps": sampler.chunk_steps, "params": shd.per_device_bytes(state, state_sh)}
@@ -419,7 +422,7 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   # As the trainer compiles it: the engine state in the layouts the chunk's compiler picks.
   chunk = engine_programs.lower_chunk(
       state, engine, graphdef=graphdef, params=sp, mesh=prog_mesh,
-      chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit)
+      chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit, paged=paged)
   return info | {"enqueue": enqueue, "chunk": chunk, "engine_bytes": shd.per_device_bytes(
       engine, init_compiled.output_shardings)}
 
@@ -436,21 +439,27 @@ def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
                  "decode_chunk": _lower_and_cost(progs["chunk"])}
 
 
-def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
-                               ) -> dict[str, Any]:
+def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
+                               paged=None) -> dict[str, Any]:
   """The continuous engine's memory: its chunk program at the model's depth, whose inputs are
   the rollout parameters and the engine state (the slots' KV cache at the full prompt +
-  response length, which never grows, and the prompt queue)."""
-  progs = _continuous_programs(config, mcfg, mesh, sp)
+  response length, which never grows, or with ``paged`` the page pools, and the prompt
+  queue)."""
+  progs = _continuous_programs(config, mcfg, mesh, sp, paged)
   parts = {"params": progs["params"], "engine_state": progs.get("engine_bytes", 0),
            "other_temp": 0, "outputs": 0}
   info = {"slots": progs["slots"], "queue_prompts": progs["queue_prompts"]}
+  if paged is not None:
+    info["paged"] = {"pages_per_shard": paged.num_pages, "page_size": paged.page_size,
+                     "shards": paged.shards, "impl": attention_impl_on_target(paged.impl)}
   if "oom" in progs:  # the state alone does not fit
     return _summary(None, progs["oom"], 0.0, parts, "engine_state", temp_known=0) | info
   compiled, oom, seconds = _compile(progs["chunk"])
   if compiled is not None:
     mem = _mem(compiled)
     parts["other_temp"], parts["outputs"] = mem["temp"], max(mem["output"] - mem["alias"], 0)
+    if paged is not None:  # Pallas kernels (TPU custom calls) in the chunk, a scan's body once
+      info["kernel_calls"] = compiled.as_text().count('custom_call_target="tpu_custom_call"')
   return _summary(compiled, oom, seconds, parts, "other_temp") | info
 
 
@@ -477,6 +486,43 @@ def _costs_at_depth(compile_fn, *args, config, mcfg: Qwen2Config) -> dict[str, A
   runs = [_reported(compile_fn, config, mcfg.replace(num_hidden_layers=d, scan_layers=False),
                     *args) for d in COST_DEPTHS]
   return est.costs_at_depth(runs[0], runs[1], COST_DEPTHS, mcfg.num_hidden_layers)
+
+
+def attention_impl_on_target(impl: str) -> str:
+  """The paged attention ``impl`` resolved for the platform being compiled for."""
+  from dapo_jax.models import paged_attention  # pylint: disable=g-import-not-at-top
+  return paged_attention.resolve_paged_impl(impl)
+
+
+def _resident_bytes(plan: dict[str, Any]) -> int:
+  """What stays on a chip through rollout besides the KV: the training state and the rollout
+  weights (the paged pool is sized from the rest)."""
+  return plan["train"]["state_bytes"] + plan["rollout"]["parts"]["params"]
+
+
+def _paged_engine(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target, mesh: Mesh):
+  """The configured continuous engine's `PagedSpec` on the target (None: dense cache)."""
+  shards = math.prod(shd.batch_axes(mesh, shd.SAMPLE_RULES).values())
+  return plan_paged.engine_spec(config, mcfg, target.kind, mesh.shape.get("tensor", 1), shards,
+                                target.hbm_bytes, _resident_bytes(plan))
+
+
+def _compile_paged_fit(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target,
+                       mesh: Mesh, sp: SamplingParams, paged) -> dict[str, Any]:
+  """The paged engine's chunk at the slots the closed form says fit its pool (when that is not
+  the configured count): the memory of the engine the estimate's "slots that fit" row runs."""
+  if target.chip is None or target.hbm_bytes is None:
+    return {"skipped": "no datasheet peaks or HBM size for this target"}
+  pe = plan_paged.estimate(config, mcfg, target.chip, target.num_devices, target.hbm_bytes,
+                           _resident_bytes(plan))
+  slots = pe["slots_fit_per_shard"] * paged.shards
+  if not slots or slots == config.rollout.max_concurrent_decodes:
+    return {"skipped": f"{slots} slots fit: the configured engine's compile is that program"}
+  fit = copy.deepcopy(config)
+  with fit.unlocked():
+    fit.rollout.max_concurrent_decodes = slots
+  return _reported(compile_continuous_rollout, fit, mcfg, mesh, sp,
+                   dataclasses.replace(paged, num_pages=pe["pool_pages"]))
 
 
 def make_plan(config: ml_collections.ConfigDict, target: Target,
@@ -516,7 +562,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
       plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
       sp = sampling_params(config, mcfg)
       if config.rollout.engine == "continuous":  # the rollout phase's program
-        plan["continuous_rollout"] = compile_continuous_rollout(config, mcfg, rollout_mesh, sp)
+        paged = _paged_engine(config, mcfg, plan, target, rollout_mesh)
+        plan["continuous_rollout"] = compile_continuous_rollout(config, mcfg, rollout_mesh, sp,
+                                                                paged)
+        if paged is not None:  # the same engine at the slots the closed form says fit its pool
+          plan["paged_fit_rollout"] = _compile_paged_fit(config, mcfg, plan, target,
+                                                         rollout_mesh, sp, paged)
       if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
         at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
         plan["cost_depths"] = list(COST_DEPTHS)
@@ -524,7 +575,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
         if not config.rollout.use_sampler_logprobs:
           plan["logprob"] = at_depth(compile_logprob, train_mesh)
         plan["decode"] = at_depth(compile_decode_costs, rollout_mesh, sp)
-        plan["continuous"] = at_depth(compile_continuous, rollout_mesh, sp)
+        plan["continuous"] = at_depth(compile_continuous, rollout_mesh, sp)  # dense engine
     plan["attention"] = attention.resolve_impl(
         config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
         seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
@@ -560,6 +611,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
         else plan["rollout"]["parts"]["params"])
     plan["paged_estimate"] = plan_paged.estimate(config, mcfg, target.chip, target.num_devices,
                                                  target.hbm_bytes, resident)
+    plan["paged_estimate"]["compiled"] = plan_paged.compiled_engines(plan)
   return plan
 
 

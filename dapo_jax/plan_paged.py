@@ -107,6 +107,48 @@ def _setting(config, key: str, default):
   return config.rollout.get(key, default)
 
 
+def pool_pages(config, mcfg: Qwen2Config, tensor: int, hbm_bytes: int | None,
+               resident_bytes: int) -> tuple[int, float | None]:
+  """(pages per data shard, KV budget bytes per chip): ``rollout.kv_pages``, else
+  ``rollout.kv_hbm_fraction`` of the HBM a chip has left after ``resident_bytes``, in pages
+  (0 when neither is known), as the engine sizes its pool when it opens a stream."""
+  page_bytes = int(_setting(config, "page_size", 64)) * kv_bytes_per_token(mcfg, tensor)
+  fraction = float(_setting(config, "kv_hbm_fraction", 0.9))
+  budget = None if hbm_bytes is None else fraction * max(hbm_bytes - resident_bytes, 0)
+  pages = int(_setting(config, "kv_pages", 0))
+  if not pages and budget is not None:
+    pages = int(budget // page_bytes)
+  return pages, budget
+
+
+def engine_spec(config, mcfg: Qwen2Config, platform: str, tensor: int, shards: int,
+                hbm_bytes: int | None, resident_bytes: int):
+  """The paged engine's `PagedSpec` on ``platform`` as the trainer's `ContinuousSampler`
+  would pick it for ``config`` (None: the dense cache): "auto" is paged on TPU and GPU; the
+  pool is `pool_pages`, capped as the sampler caps it (every slot at full length plus the
+  queue's prompts) and never below one prompt plus one full sample."""
+  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import paged_kv
+  from dapo_jax.rollout import continuous
+  from dapo_jax.rollout import slot_programs as prog
+  # pylint: enable=g-import-not-at-top
+  r = config.rollout
+  p, t = config.data.max_prompt_length, int(_setting(config, "page_size", 64))
+  kv = _setting(config, "kv_cache", "auto")
+  if kv == "auto":
+    kv = "paged" if platform != "cpu" or (
+        p + r.max_response_length >= continuous.PAGED_MIN_CACHE_LENGTH_CPU) else "dense"
+  if kv != "paged":
+    return None
+  full, prompt = paged_kv.pages_for(p + r.max_response_length, t), paged_kv.pages_for(p, t)
+  queue = max(2, -(-2 * r.max_concurrent_decodes // r.n))  # ContinuousSampler.queue_prompts
+  enough = r.max_concurrent_decodes * full + queue * prompt + 1
+  pages, _ = pool_pages(config, mcfg, tensor, hbm_bytes, resident_bytes)
+  pages = pages if _setting(config, "kv_pages", 0) else min(enough, max(prompt + full + 1, pages))
+  return prog.PagedSpec(num_pages=pages, page_size=t, impl=_setting(config, "attention_impl",
+                                                                     "auto"), shards=shards)
+
+
 def estimate(config, mcfg: Qwen2Config, chip: est.Chip, num_devices: int, hbm_bytes: int | None,
              resident_bytes: int, mix: LengthMix = LONG_TAIL) -> dict[str, Any]:
   """Dense vs paged rollout of one generation batch, per chip of the rollout mesh.
@@ -134,11 +176,7 @@ def estimate(config, mcfg: Qwen2Config, chip: est.Chip, num_devices: int, hbm_by
   dense = rollout(decode_step(mcfg, tensor, dense_per_shard, dense_per_shard, p + r), chip,
                   requests, stats.mean, configured, r, u)
   dense["kv_bytes"] = dense_per_shard * (p + r) * token
-  pages = int(_setting(config, "kv_pages", 0))
-  fraction = float(_setting(config, "kv_hbm_fraction", 0.9))
-  budget = None if hbm_bytes is None else fraction * max(hbm_bytes - resident_bytes, 0)
-  if not pages and budget is not None:
-    pages = int(budget // page_bytes)
+  pages, budget = pool_pages(config, mcfg, tensor, hbm_bytes, resident_bytes)
   queue_pages = 2 * math.ceil(p / page) / g  # per slot: the queue's prompts
   per_slot = stats.own_pages + stats.shared_pages + queue_pages
   out = {"basis": "closed form, no scatter overcharge (both engines)",
@@ -171,6 +209,33 @@ def estimate(config, mcfg: Qwen2Config, chip: est.Chip, num_devices: int, hbm_by
   if dense_fit:
     out["dense_fit"] = rollout(decode_step(mcfg, tensor, dense_fit, dense_fit, p + r), chip,
                                requests, stats.mean, dense_fit * shards, r, u)
+  return out
+
+
+def compiled_engines(plan: dict[str, Any]) -> list[dict[str, Any]]:
+  """Per-chip memory of the compiled paged engine chunks in ``plan`` (dapo-plan's
+  ``continuous_rollout`` when the configured engine is paged, and ``paged_fit_rollout``, the
+  chunk at the slots that fit): slots, pool, engine state, temporaries, and the rollout phase
+  (the training state, which stays on the chips, + the chunk's peak) against HBM."""
+  out = []
+  for key in ("continuous_rollout", "paged_fit_rollout"):
+    c = plan.get(key, {})
+    if "error" in c:
+      out.append({"program": key, "error": c["error"]})
+    if "paged" not in c:
+      continue
+    shards = c["paged"]["shards"]
+    row = {"program": key, "slots": c["slots"], "slots_per_shard": c["slots"] // shards,
+           **c["paged"], "engine_state_bytes": c["parts"]["engine_state"],
+           "params_bytes": c["parts"]["params"], "compile_seconds": c["compile_seconds"]}
+    if "oom" in c:
+      row["oom"] = c["oom"]
+    else:
+      row |= {"temp_bytes": c["memory"]["temp"], "peak_bytes": c["peak"],
+              "rollout_phase_bytes": plan["train"]["state_bytes"] + c["peak"]}
+      if plan.get("hbm_bytes"):
+        row["fits"] = row["rollout_phase_bytes"] <= plan["hbm_bytes"]
+    out.append(row)
   return out
 
 
@@ -211,6 +276,20 @@ def format_lines(pe: dict[str, Any], compiled_dense: float | None = None) -> lis
                    f"live KV {x['live_kv_bytes'] / gib:.2f} GiB/chip: {x['steps']:,.0f} steps x "
                    f"{1e3 * x['step_seconds']:.1f} ms = {_h(x['seconds'])} ({x['bound']}), "
                    f"{d['seconds'] / x['seconds']:.2f}x less than dense")
+  for c in pe.get("compiled", []):
+    if "error" in c:
+      lines.append(f"    compiled paged chunk ({c['program']}) failed: {c['error'][:200]}")
+      continue
+    head = (f"    compiled {c['impl']} chunk, {c['slots']} slots ({c['slots_per_shard']}/data "
+            f"shard), {c['pages_per_shard']:,} pages/shard:")
+    if "oom" in c:
+      lines.append(f"{head} does not compile ({c['oom'].get('what', 'out of memory')})")
+      continue
+    lines.append(f"{head} engine state {c['engine_state_bytes'] / gib:.2f} GiB + weights "
+                 f"{c['params_bytes'] / gib:.2f} + temporaries {c['temp_bytes'] / gib:.2f} = "
+                 f"peak {c['peak_bytes'] / gib:.2f} GiB/chip; with the training state "
+                 f"{c['rollout_phase_bytes'] / gib:.2f} GiB"
+                 + ({True: ": fits", False: ": does NOT fit"}.get(c.get("fits"), "")))
   if not pe["slots_fit_per_shard"]:
     lines.append(f"    paged  the pool cannot hold one full-length sample "
                  f"({pe['full_sample_pages']} pages)")
@@ -245,8 +324,10 @@ def compile_paged_step(mcfg: Qwen2Config, device, *, slots: int, pages: int, pag
   at = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), tree)
   graphdef, state = nnx.split(abstract_model(mcfg))
+  from dapo_jax.models import paged_attention  # pylint: disable=g-import-not-at-top
   cache = jax.eval_shape(lambda: abstract_model(mcfg).init_paged_cache(
-      slots, pages, page_size, max_pages))
+      slots, pages, page_size, max_pages,
+      combined=paged_attention.uses_combined_pool(impl, platform="tpu")))
 
   def step(state, tok_N, pos_N, cache, active_N, key):
     logits_NxV, cache, app = nnx.merge(graphdef, state).decode_step_paged(

@@ -1,6 +1,7 @@
 """``dapo-plan``'s paged-vs-dense rollout estimate (dapo_jax/plan_paged.py): the closed form
 against hand arithmetic, and its length mix against the long-tail bench's sampler."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -116,3 +117,51 @@ def test_plan_prints_the_paged_estimate_for_the_32b(capsys):
   assert e["slots_fit_per_shard"] > 64 and e["speedup_fit"] > e["speedup_configured"] > 1
   text = capsys.readouterr().out
   assert "paged KV rollout ESTIMATE" in text and "slots that fit" in text
+
+
+def _libtpu_missing() -> str | None:
+  if importlib.util.find_spec("libtpu") is None:
+    return "libtpu is not installed (pip install 'jax[tpu]' to plan TPU slices on any host)"
+  return None
+
+
+@pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
+@pytest.mark.parametrize("impl", ["ragged_tpu", "pallas_tpu"])
+def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
+  """dapo-plan's paged engine for a v5p slice, compiled by libtpu: the pool sized as the
+  engine sizes it (90% of the HBM left, capped at every slot at full length plus the queue),
+  laid out per data shard and KV head, the kernel inside the chunk (ragged_tpu with the
+  combined K/V pool) and run per device: no operand gathered (temporaries far below the
+  pool). One layer of the 0.5B at head_dim 128 (the ragged kernel's lane width)."""
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
+  args = plan_lib._parse([  # pylint: disable=protected-access
+      "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
+      "--config.rollout.max_response_length=64", "--config.reward.overlong_buffer_len=16",
+      "--config.data.max_prompt_length=64", "--config.rollout.engine=continuous",
+      "--config.rollout.max_concurrent_decodes=8", "--config.mesh=data=2,fsdp=1,tensor=2",
+      "--config.rollout.page_size=16", f"--config.rollout.attention_impl={impl}"])
+  config = plan_lib.configure(args)
+  config.model.overrides = dict(num_hidden_layers=1, head_dim=128)
+  target = plan_lib.parse_target(args.target)
+  mcfg = plan_lib.plan_model_config(config)
+  mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=list(target.devices))
+  page_bytes = 16 * plan_paged.kv_bytes_per_token(mcfg, 2)
+  assert page_bytes == 16 * 1 * 2 * 128 * 2  # 1 layer, K and V, 1 of 2 KV heads, bf16
+  resident = target.hbm_bytes - 2**19  # 0.5 MiB left: 0.45 MiB of pages, below the cap
+  spec = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
+  assert spec.num_pages == int(0.9 * 2**19) // page_bytes == 57 and spec.shards == 2
+  roomy = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
+  queue = max(2, -(-2 * 8 // config.rollout.n))  # the sampler's queued prompts of 4 pages
+  assert roomy.num_pages == 8 * 8 + queue * 4 + 1  # 8 slots x 8 pages (128 tokens) + 1
+  # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
+  spec = dataclasses.replace(spec, num_pages=8192)
+  with attention.compile_for("tpu"):
+    c = plan_lib.compile_continuous_rollout(config, mcfg, mesh,
+                                            plan_lib.sampling_params(config, mcfg), spec)
+  assert "oom" not in c and c["paged"] == {"pages_per_shard": 8192, "page_size": 16,
+                                           "shards": 2, "impl": impl}
+  pool = 8192 * page_bytes  # per chip: its shard's pool, its KV head (64 MiB)
+  assert pool <= c["parts"]["engine_state"] <= pool + 2**20
+  assert c["kernel_calls"] >= 1  # the Pallas kernel is in the compiled chunk
+  assert c["memory"]["temp"] < pool  # no gathered pool for the custom call

@@ -17,12 +17,16 @@ scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_
   on GPU may add them in any order (use "pallas_gpu" there, the default).
 * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (this pool's layout).
 * "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (this pool's layout).
+* "ragged_tpu": `...ops.tpu.ragged_paged_attention` (JAX's tuned TPU kernel, vLLM-TPU's), which
+  takes K and V interleaved in one [P, T, 2K, E] array: an engine that picks it keeps its pool
+  in that layout from creation (`uses_combined_pool`, `PagedKVCache.combined`), so no call
+  converts it. It only runs compiled by libtpu: its interpret mode fails on CPU in jax 0.10.2
+  ("'ReshapeTransform' object has no attribute 'indices'"); the "xla" reference reads the
+  combined layout too (pass ``v=None``), which is how CPU tests check that layout's plumbing.
 * "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla.
 
-`ragged_tpu_attention` wraps `...ops.tpu.ragged_paged_attention` (JAX's tuned TPU kernel), which
-takes K and V interleaved in one [P, T, 2K, E] array: a pool kept in that layout serves it
-without a copy (see docs/paged_kv_design.md). It only runs compiled by libtpu: its interpret
-mode fails on CPU in jax 0.10.2 ("'ReshapeTransform' object has no attribute 'indices'").
+Under an activation mesh (the engine's), the kernels run per device in a `shard_map` over the
+pools' shard axis and KV heads (`attend_shards`): a custom call is opaque to XLA's partitioner.
 
 Inactive slots (length 0) give finite values that are never read.
 """
@@ -31,11 +35,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from dapo_jax import sharding as shd
 from dapo_jax.models import attention
 from dapo_jax.profiling import scoped
 
-PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
+# ragged_paged_attention's (KV pages, queries) per block where its tuned table has no entry for
+# the device at hand (a compile-only TPU client reports a CPU device): the kernel's own default.
+RAGGED_BLOCKS = (128, 32)
 BLOCK_TOKENS = 256  # tokens per kernel compute block (and per step of the reference off CPU)
 BLOCK_TOKENS_CPU = 4096  # tokens per step of the reference loop on CPU
 
@@ -51,6 +60,11 @@ def resolve_paged_impl(impl: str, platform: str | None = None) -> str:
     return impl
   platform = platform or attention._backend()  # pylint: disable=protected-access
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+
+
+def uses_combined_pool(impl: str, platform: str | None = None) -> bool:
+  """Whether the pool for `impl` is kept in the combined [P, T, 2K, E] layout."""
+  return resolve_paged_impl(impl, platform) == "ragged_tpu"
 
 
 def block_pages(page_size: int, platform: str | None = None) -> int:
@@ -77,7 +91,9 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
   then sums). Work and temporaries grow with the live pages, not with slots x capacity or with
   the longest slot."""
   n, h, e = q_NxHxE.shape
-  kh, _, t, _ = k_KxPxTxE.shape
+  combined = v_KxPxTxE is None  # k_KxPxTxE is then the combined [P, T, 2K, E] pool
+  kh, t = ((k_KxPxTxE.shape[2] // 2, k_KxPxTxE.shape[1]) if combined
+           else (k_KxPxTxE.shape[0], k_KxPxTxE.shape[2]))
   m, g = table_NxM.shape[1], h // kh
   big = min(pages_per_block or block_pages(t), n * m)  # more than every slot's pages: padding
   small = max(1, big // 8)
@@ -100,10 +116,15 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
     # Gathered along the pool's own page axis, then the small block transposed: moving the
     # pool's page axis first makes XLA CPU copy the whole pool per block once the pool is a
     # loop carry (the engine's; see the memory test in tests/test_paged_kv.py).
-    k_BxKxTxE = jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
-                             ).astype(dtype)
-    v_BxKxTxE = jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
-                             ).astype(dtype)
+    if combined:  # [B, T, 2K, E] gathered, K and V split out of the small block
+      kv_BxTx2KxE = k_KxPxTxE.at[page_B].get(mode="promise_in_bounds").astype(dtype)
+      k_BxKxTxE = kv_BxTx2KxE[:, :, 0::2].transpose(0, 2, 1, 3)
+      v_BxKxTxE = kv_BxTx2KxE[:, :, 1::2].transpose(0, 2, 1, 3)
+    else:
+      k_BxKxTxE = jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
+                               ).astype(dtype)
+      v_BxKxTxE = jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
+                               ).astype(dtype)
     s_BxKxGxT = jnp.einsum("bkge,bkte->bkgt", get(q_NxKxGxE, slot_B), k_BxKxTxE,
                            preferred_element_type=jnp.float32) * (e ** -0.5)
     # Tokens past the slot's length masked; entries past the list need no mask (dropped below).
@@ -186,18 +207,70 @@ def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: 
   """One decode token per slot through `...ops.tpu.ragged_paged_attention` (libtpu only)."""
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
   n, _, e = q_NxHxE.shape
   _, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
   cu_q_lens = jnp.arange(n + 1, dtype=jnp.int32)  # one query token per slot
+  if tuned_block_sizes.get_tpu_version() >= 4:  # on a TPU: its tuned table
+    pages, queries = None, None
+  else:  # compiling for a TPU from another host: the kernel's untuned default, capped as it does
+    pages, queries = min(table.shape[1], RAGGED_BLOCKS[0]), min(n, RAGGED_BLOCKS[1])
   return ragged_paged_attention(q_NxHxE, kv_PxTx2KxE, length, table, cu_q_lens,
-                                jnp.array([n], jnp.int32), sm_scale=e ** -0.5)
+                                jnp.array([n], jnp.int32), sm_scale=e ** -0.5,
+                                num_kv_pages_per_block=pages, num_queries_per_block=queries)
 
 
 def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array,
                            table_NxM: jax.Array, length_N: jax.Array, *,
                            impl: str = "auto") -> jax.Array:
-  """Decode attention over live pages with `impl` (module docstring); output like q."""
+  """Decode attention over live pages with `impl` (module docstring); output like q.
+  ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla")."""
   impl = resolve_paged_impl(impl)
+  if (v_KxPxTxE is None) != (impl == "ragged_tpu") and impl != "xla":
+    raise ValueError(f"paged attention impl={impl!r} takes "
+                     f"{'a combined' if impl == 'ragged_tpu' else 'split K and V'} pool; the "
+                     "pool's layout comes from the same impl (`uses_combined_pool`).")
+  if impl == "ragged_tpu":
+    return ragged_tpu_attention(q_NxHxE, k_KxPxTxE, table_NxM, length_N).astype(q_NxHxE.dtype)
   fn = {"xla": reference_paged_attention, "pallas_tpu": tpu_paged_attention,
         "pallas_gpu": gpu_paged_attention}[impl]
   return fn(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N).astype(q_NxHxE.dtype)
+
+
+def attend_shards(q_SxNxHxE: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None,
+                  table_SxNxM: jax.Array, length_SxN: jax.Array, *, impl: str = "auto"
+                  ) -> jax.Array:
+  """`paged_decode_attention` on each of S shards' pools (leading axis S on every argument).
+
+  The reference is vmapped over S and left to XLA's partitioner. A kernel (a custom call XLA
+  cannot partition: it would gather every operand, the whole pool included) runs under the
+  active activation mesh in a `shard_map`: shards over the batch axes, KV heads (and their
+  query heads) over `tensor` when both divide."""
+  impl = resolve_paged_impl(impl)
+  attend = lambda *a: paged_decode_attention(*a, impl=impl)
+  ctx = shd._ACTIVATION_CTX.get()  # pylint: disable=protected-access
+  if impl == "xla" or ctx is None or ctx.mesh.size == 1:
+    return jax.vmap(attend)(q_SxNxHxE, k_pool, v_pool, table_SxNxM, length_SxN)
+  s, _, h, _ = q_SxNxHxE.shape
+  kh = k_pool.shape[-2] // 2 if v_pool is None else k_pool.shape[1]
+  spec = lambda names, shape: shd.logical_to_spec(names, ctx.rules, shape, ctx.mesh)[0]
+  batch, heads = spec(("batch",), (s,)), spec(("act_heads",), (h,))
+  if heads != spec(("act_heads",), (kh,)):
+    heads = None  # heads split only where whole query groups stay with their KV head
+  q_spec = PartitionSpec(batch, None, heads, None)
+  pool_spec = (PartitionSpec(batch, None, None, heads, None) if v_pool is None
+               else PartitionSpec(batch, heads, None, None, None))
+
+  def local(q, table, length, k, v=None):  # one device's shards (one, on the engine's mesh)
+    if q.shape[0] == 1:
+      first = lambda x: None if x is None else x[0]
+      return attend(*map(first, (q, k, v, table, length)))[None]
+    return jax.vmap(attend)(q, k, v, table, length)
+
+  pools = (k_pool,) if v_pool is None else (k_pool, v_pool)
+  return jax.shard_map(local, mesh=ctx.mesh,
+                       in_specs=(q_spec, PartitionSpec(batch, None, None),
+                                 PartitionSpec(batch, None)) + (pool_spec,) * len(pools),
+                       out_specs=q_spec, check_vma=False)(
+                           q_SxNxHxE, table_SxNxM, length_SxN, *pools)

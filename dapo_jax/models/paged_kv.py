@@ -48,8 +48,8 @@ class PagedKVCache:
   """One data shard's page pool, page tables and lengths (see the module docstring).
 
   The engine keeps S shards' pools as one of these with a leading shard axis on every array
-  (k: L x [S, K, P, T, E] or [L, S, K, P, T, E]; refcount [S, P]; table [S, N/S, M]; length
-  [S, N/S]), laid out over the mesh's batch axes: slot n of the engine is slot n % (N/S) of
+  (k: L x [S, K, P, T, E] or stacked [S, L, K, P, T, E]; refcount [S, P]; table [S, N/S, M];
+  length [S, N/S]), laid out over the mesh's batch axes: slot n of the engine is slot n % (N/S) of
   shard n // (N/S), page ids are shard-local, and the functions here run on each shard
   (`jax.vmap`), so no page or table ever crosses shards.
   """
@@ -58,6 +58,10 @@ class PagedKVCache:
   refcount: jax.Array  # [P] int32 holders of each page (slots and queue entries); 0 = free
   table: jax.Array  # [N, M] int32 slot n's pages in token order; -1 = none
   length: jax.Array  # [N] int32 tokens stored in slot n's pages
+  # The pool layout, fixed at creation by the attention kernel (never converted per step):
+  # False: k and v per layer [K, P, T, E]; True: k holds both, interleaved [P, T, 2K, E] (kv
+  # head j's K at 2j, V at 2j + 1: the ragged TPU kernel's layout), and v is None.
+  combined: bool = flax.struct.field(pytree_node=False, default=False)
 
   @property
   def stacked(self) -> bool:
@@ -74,7 +78,25 @@ class PagedKVCache:
 
   @property
   def page_size(self) -> int:
-    return (self.k if self.stacked else self.k[0]).shape[-2]
+    return (self.k if self.stacked else self.k[0]).shape[-3 if self.combined else -2]
+
+  @property
+  def page_axis(self) -> int:
+    """The page axis of one shard's k ([L,] K, P, T, E or [L,] P, T, 2K, E)."""
+    return int(self.stacked) + (0 if self.combined else 1)
+
+  @property
+  def pool_axes(self) -> tuple[str | None, ...]:
+    """Logical axes of one pool array of a sharded cache (a layer's, or the stacked layers'):
+    shards on `batch`, KV heads on `kv_heads`."""
+    layer = (None, None, "kv_heads", None) if self.combined else ("kv_heads", None, None, None)
+    return ("batch",) + ((None,) if self.stacked else ()) + layer
+
+  def map_pools(self, fn) -> PagedKVCache:
+    """`fn` on every pool array (each layer's, or the stacked one; k and v)."""
+    each = lambda pools: None if pools is None else (
+        fn(pools) if self.stacked else tuple(map(fn, pools)))
+    return self.replace(k=each(self.k), v=each(self.v))
 
   @property
   def max_pages(self) -> int:
@@ -83,19 +105,22 @@ class PagedKVCache:
   @classmethod
   def zeros(cls, *, num_layers: int, num_slots: int, num_pages: int, page_size: int,
             max_pages_per_slot: int, kv_heads: int, head_dim: int, dtype: Any,
-            stacked: bool = False, shards: int | None = None) -> PagedKVCache:
-    """Empty pools; with `shards`, S pools of `num_pages` each for `num_slots` / S slots each."""
+            stacked: bool = False, shards: int | None = None, combined: bool = False
+            ) -> PagedKVCache:
+    """Empty pools; with `shards`, S pools of `num_pages` each for `num_slots` / S slots each;
+    `combined`: K and V in one array (see `combined`)."""
     lead = () if shards is None else (shards,)
     slots = num_slots if shards is None else num_slots // shards
-    shape = lead + (kv_heads, num_pages, page_size, head_dim)
-    if stacked:
-      k, v = (jnp.zeros((num_layers,) + shape, dtype) for _ in range(2))
-    else:
-      k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-      v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return cls(k=k, v=v, refcount=jnp.zeros(lead + (num_pages,), jnp.int32),
+    shape = ((num_pages, page_size, 2 * kv_heads, head_dim) if combined
+             else (kv_heads, num_pages, page_size, head_dim))
+    # Stacked: the shard axis before the layers', so that every per-shard function (`on_shards`,
+    # the engine's vmaps) maps axis 0 of every array and sees one shard's [L, ...] pool.
+    pools = lambda: (jnp.zeros(lead + (num_layers,) + shape, dtype) if stacked
+                     else tuple(jnp.zeros(lead + shape, dtype) for _ in range(num_layers)))
+    return cls(k=pools(), v=None if combined else pools(),
+               refcount=jnp.zeros(lead + (num_pages,), jnp.int32),
                table=jnp.full(lead + (slots, max_pages_per_slot), -1, jnp.int32),
-               length=jnp.zeros(lead + (slots,), jnp.int32))
+               length=jnp.zeros(lead + (slots,), jnp.int32), combined=combined)
 
   def free_pages(self) -> jax.Array:
     """Free pages of the pool ([S] for a sharded cache)."""
@@ -197,14 +222,22 @@ def reserve_append(cache: PagedKVCache, active_N: jax.Array) -> tuple[PagedKVCac
   table = cache.table.at[jnp.where(got_N, rows_N, n), jnp.minimum(j_N, m - 1)].set(
       new_N, mode="drop")
   src_N, dst_N = jnp.maximum(cur_N, 0), cache._drop(new_N, cow_N & got_N)
-  axis = 2 if cache.stacked else 1  # the page axis of [L,] K, P, T, E
+  axis = cache.page_axis
 
   def copy(x: jax.Array) -> jax.Array:
     idx = (slice(None),) * axis
-    return x.at[idx + (dst_N,)].set(jnp.take(x, src_N, axis=axis), mode="drop")
+    if not cache.combined:
+      return x.at[idx + (dst_N,)].set(jnp.take(x, src_N, axis=axis), mode="drop")
+    # Combined pools: token by token, (page, offset) pairs as `write_token` indexes them. Whole
+    # pages ([T, 2K, E] windows) made XLA TPU lay the pool out anew for the scatter, copying it
+    # twice per step (2K = 2 on a chip at tensor 8 is a thin tile).
+    rows = jnp.take(x, src_N, axis=axis)  # [.., N, T, 2K, E]
+    rows = rows.reshape(rows.shape[:axis] + (n * t,) + rows.shape[axis + 2:])
+    return x.at[idx + (jnp.repeat(dst_N, t), jnp.tile(jnp.arange(t), n))].set(rows, mode="drop")
 
-  k, v = (copy(cache.k), copy(cache.v)) if cache.stacked else (
-      tuple(map(copy, cache.k)), tuple(map(copy, cache.v)))
+  copies = lambda pools: None if pools is None else (
+      copy(pools) if cache.stacked else tuple(map(copy, pools)))
+  k, v = copies(cache.k), copies(cache.v)
   page_N = jnp.where(need_N, new_N, cur_N)
   return (cache.replace(k=k, v=v, refcount=refcount, table=table),
           Append(page=cache._drop(page_N, ok_N), offset=off_N, ok=ok_N, out_of_pages=out_N))
@@ -214,7 +247,12 @@ def write_token(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array, kn_NxKxE: jax.Array,
                 vn_NxKxE: jax.Array, app: Append, layer: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array]:
   """One layer's new key and value per slot at (page, offset); slots not ok write nothing.
-  With `layer`, k and v are the stacked [L, K, P, T, E] pool and only that layer is written."""
+  With `layer`, k and v are the stacked [L, K, P, T, E] pool and only that layer is written.
+  `v_KxPxTxE` None: k is a combined pool ([L,] P, T, 2K, E), both written into it."""
+  if v_KxPxTxE is None:
+    at = (app.page, app.offset) if layer is None else (layer, app.page, app.offset)
+    kv_Nx2KxE = interleave_kv(kn_NxKxE, vn_NxKxE).astype(k_KxPxTxE.dtype)
+    return k_KxPxTxE.at[at].set(kv_Nx2KxE, mode="drop"), None
   kn, vn = kn_NxKxE.astype(k_KxPxTxE.dtype), vn_NxKxE.astype(v_KxPxTxE.dtype)
   if layer is None:  # indices on the adjacent P, T axes: the update is [K, N, E]
     idx, kn, vn = (slice(None), app.page, app.offset), kn.transpose(1, 0, 2), vn.transpose(1, 0, 2)
@@ -260,6 +298,10 @@ def write_prompts(cache: PagedKVCache, pages_XxM: jax.Array, k_XxKxExS: Layers,
   def put(pool: jax.Array, x_KxXxSxE: jax.Array) -> jax.Array:  # one layer
     return pool.at[:, page_XxS, off_XxS].set(x_KxXxSxE.astype(pool.dtype), mode="drop")
 
+  if cache.combined:  # [P, T, 2K, E] pools: K and V of each token interleaved
+    put_kv = lambda pool, k, v: pool.at[page_XxS, off_XxS].set(interleave_kv(
+        k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)).astype(pool.dtype), mode="drop")
+    return cache.replace(k=per_layer(put_kv, cache.k, k_XxKxExS, v_XxKxSxE))
   return cache.replace(
       k=per_layer(lambda pool, x: put(pool, x.transpose(1, 0, 3, 2)), cache.k, k_XxKxExS),
       v=per_layer(lambda pool, x: put(pool, x.transpose(1, 0, 2, 3)), cache.v, v_XxKxSxE))
@@ -277,7 +319,7 @@ def gather_dense(cache: PagedKVCache, layer: int, slots: int | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Slot rows as a dense cache layer (tests, debugging): k [N, K, E, M*T], v [N, K, M*T, E]
   and valid [N, M*T], the layout `attention.decode_attention` reads."""
-  k, v = cache.k[layer], cache.v[layer]
+  k, v = (split_kv(cache.k[layer]) if cache.combined else (cache.k[layer], cache.v[layer]))
   table = cache.table if slots is None else cache.table[:slots]
   kk, ee = k.shape[0], k.shape[-1]
   n, m, t = table.shape[0], table.shape[1], cache.page_size
@@ -287,6 +329,18 @@ def gather_dense(cache: PagedKVCache, layer: int, slots: int | None = None
   length = cache.length if slots is None else cache.length[:slots]
   valid_NxS = jnp.arange(m * t)[None] < length[:, None]
   return k_NxKxSxE.transpose(0, 1, 3, 2), v_NxKxSxE, valid_NxS
+
+
+def interleave_kv(k_XxKxE: jax.Array, v_XxKxE: jax.Array) -> jax.Array:
+  """K and V [..., K, E] into the combined layout's [..., 2K, E] (K at 2j, V at 2j + 1)."""
+  both = jnp.stack([k_XxKxE, v_XxKxE], axis=-2)
+  return both.reshape(both.shape[:-3] + (2 * both.shape[-3], both.shape[-1]))
+
+
+def split_kv(kv_PxTx2KxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A combined pool layer back to split [K, P, T, E] keys and values (tests, debugging)."""
+  return (jnp.moveaxis(kv_PxTx2KxE[..., 0::2, :], -2, -4),
+          jnp.moveaxis(kv_PxTx2KxE[..., 1::2, :], -2, -4))
 
 
 def on_shards(fn, cache: PagedKVCache, *per_slot: Any, **kwargs):

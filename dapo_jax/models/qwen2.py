@@ -155,13 +155,16 @@ class Attention(nnx.Module):
     # slots' pages, the [N] rows split [S, N/S].
     split = (lambda x: x) if s is None else (lambda x: x.reshape((s, n // s) + x.shape[1:]))
     shardwise = lambda f, **axes: f if s is None else jax.vmap(f, **axes)
-    pool_axis = 0 if layer is None else 1
-    write = shardwise(functools.partial(paged_kv.write_token, layer=layer),
-                      in_axes=(pool_axis, pool_axis, 0, 0, 0), out_axes=pool_axis)
+    # (stacked and sharded pools are [S, L, ...]: `layer` indexes each shard's [L, ...] pool)
+    write = shardwise(functools.partial(paged_kv.write_token, layer=layer))
     k_pool, v_pool = write(k_pool, v_pool, split(kn_Nx1xKxE[:, 0]), split(vn_Nx1xKxE[:, 0]),
                            jax.tree.map(split, app))
-    k_l, v_l = (k_pool, v_pool) if layer is None else (k_pool[layer], v_pool[layer])
-    attend = shardwise(functools.partial(paged_attention.paged_decode_attention, impl=impl))
+    # v_pool None: a combined K/V pool (`PagedKVCache.combined`), k_pool holds both.
+    at = lambda pool: pool if layer is None or pool is None else (
+        pool[layer] if s is None else pool[:, layer])
+    k_l, v_l = at(k_pool), at(v_pool)
+    attend = functools.partial(paged_attention.paged_decode_attention if s is None
+                               else paged_attention.attend_shards, impl=impl)
     o_NxHxE = attend(split(q_Nx1xHxE[:, 0]), k_l, v_l, cache.table,
                      cache.length + split(app.ok)).reshape(n, -1, q_Nx1xHxE.shape[-1])
     return self.o_proj(o_NxHxE[:, None], x_Nx1xD.dtype), (k_pool, v_pool)
@@ -429,28 +432,29 @@ class Qwen2ForCausalLM(nnx.Module):
                                              jnp.arange(cfg.num_hidden_layers))
     else:
       k, v = [], []
-      for layer, k_pool, v_pool in zip(self.layers, cache.k, cache.v):
+      v_pools = (None,) * len(cache.k) if cache.combined else cache.v
+      for layer, k_pool, v_pool in zip(self.layers, cache.k, v_pools):
         x_Nx1xD, (k_pool, v_pool) = layer.decode_paged(x_Nx1xD, pos_Nx1, k_pool, v_pool, cache,
                                                        app, impl=impl)
         k.append(k_pool)
         v.append(v_pool)
-      k, v = tuple(k), tuple(v)
+      k, v = tuple(k), (None if cache.combined else tuple(v))
     logits_NxV = self.logits_from_hidden(self.norm(x_Nx1xD))[:, 0]
     return logits_NxV, paged_kv.on_shards(paged_kv.commit_append, cache.replace(k=k, v=v),
                                           app), app
 
   def init_paged_cache(self, num_slots: int, num_pages: int, page_size: int,
-                       max_pages_per_slot: int, dtype: Any = None, shards: int | None = None
-                       ) -> PagedKVCache:
+                       max_pages_per_slot: int, dtype: Any = None, shards: int | None = None,
+                       combined: bool = False) -> PagedKVCache:
     """An empty paged cache: every page free, every slot empty (`shards`: S pools of
-    `num_pages`, `PagedKVCache`)."""
+    `num_pages`; `combined`: K and V in one pool, the ragged kernel's; `PagedKVCache`)."""
     cfg = self.config
     return PagedKVCache.zeros(num_layers=cfg.num_hidden_layers, num_slots=num_slots,
                               num_pages=num_pages, page_size=page_size,
                               max_pages_per_slot=max_pages_per_slot,
                               kv_heads=cfg.num_key_value_heads, head_dim=cfg.dim_per_head,
                               dtype=dtype or cfg.jnp_dtype, stacked=cfg.scan_layers,
-                              shards=shards)
+                              shards=shards, combined=combined)
 
   def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
                attention_mask_BxT: jax.Array | None = None) -> jax.Array:

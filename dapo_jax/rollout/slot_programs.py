@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dapo_jax import sharding as shd
-from dapo_jax.models import paged_kv
+from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
@@ -149,10 +149,10 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
     else:
       # A pool per data shard ([S, ...] over the batch axes), KV heads split over `tensor`.
       pool = model.init_paged_cache(num_slots, paged.num_pages, paged.page_size,
-                                    paged.max_pages(cache_length), shards=paged.shards)
-      heads = lambda x: shd.constrain(x, ("batch", "kv_heads", None, None, None))
-      pool = pool.replace(k=per_layer(heads, pool.k), v=per_layer(heads, pool.v),
-                          refcount=_slot_rows(pool.refcount), table=_slot_rows(pool.table),
+                                    paged.max_pages(cache_length), shards=paged.shards,
+                                    combined=paged_attention.uses_combined_pool(paged.impl))
+      pool = pool.map_pools(lambda x: shd.constrain(x, pool.pool_axes))
+      pool = pool.replace(refcount=_slot_rows(pool.refcount), table=_slot_rows(pool.table),
                           length=_slot_rows(pool.length))
       decode = sl.empty_decode_state(model, num_slots, 1).replace(cache=pool)
     zn = jnp.zeros((num_slots,), jnp.int32)
