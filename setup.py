@@ -56,7 +56,7 @@ EXTRAS_REQUIRE = {
     # bench/decode_throughput.py: transformers `generate` as a baseline, and what Tunix's
     # sampler imports beyond this project's requirements. Tunix itself is not listed: its
     # requirements pin safetensors<0.8 (ours need >=0.8), so it goes in with --no-deps into a
-    # directory passed as --tunix_path (README, "Measured figures").
+    # directory passed as --tunix_path (bench/README.md, "Tunix").
     "bench": [
         "torch==2.13.0",
         "transformers>=5.0,<6",

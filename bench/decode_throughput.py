@@ -13,7 +13,7 @@ warm-up excluded. The floor is the decode's dense matmuls alone on one device (`
 
 With `--tunix_path DIR` (a directory holding `google-tunix`, installed with
 `pip install --no-deps --target DIR google-tunix==0.1.7` next to the `[bench]` extra: Tunix's
-own requirements pin `safetensors<0.8` and pull its trainers' packages; see the README) it also
+own requirements pin `safetensors<0.8` and pull its trainers' packages; see bench/README.md) it also
 times Tunix's vanilla sampler (`tunix.generate.sampler.Sampler` over `tunix.models.qwen2`, loaded
 from the same safetensors) at temperature 1, and first checks that Tunix's model gives the same
 logits as ours.

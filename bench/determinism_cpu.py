@@ -1,4 +1,4 @@
-"""Which changes of the XLA:CPU setting change a run's numbers (README, "Determinism").
+"""Which changes of the XLA:CPU setting change a run's numbers (docs/fidelity.md, "Determinism").
 
   python bench/determinism_cpu.py --out workdirs/determinism
 

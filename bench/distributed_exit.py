@@ -1,4 +1,5 @@
-"""Do 2-process CPU runs exit cleanly? Counts exit-time aborts (README, "Cloud").
+"""Do 2-process CPU runs exit cleanly? Counts exit-time aborts (docs/cloud.md, "Exit of a
+multi-process run").
 
   python bench/distributed_exit.py --pairs 240 --parallel 4             # JAX's own shutdown
   python bench/distributed_exit.py --pairs 240 --parallel 4 --through dapo_jax

@@ -1,4 +1,4 @@
-"""The README's fault table: runs the reliability tests and prints what they measured.
+"""The fault table of docs/reliability.md: runs the reliability tests and prints what they measured.
 
   python bench/faults.py                 # about 6 minutes on 2 CPU cores
   python bench/faults.py --out /tmp/f    # keep the per-test JSON reports there

@@ -1,6 +1,6 @@
 r"""libtpu compile time of the 32B train step, decoder layers unrolled vs scanned, in one run.
 
-    python bench/plan_compile_time.py                 # the README's v5p-64 row, 64 layers
+    python bench/plan_compile_time.py                 # docs/scale.md's v5p-64 row, 64 layers
     python bench/plan_compile_time.py --layers 8 --rounds 2
 
 For each layout (`model.scan_layers` false, true; alternating for `--rounds`), a fresh process

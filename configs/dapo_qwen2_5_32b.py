@@ -38,12 +38,12 @@ def get_config(arg: str | None = None):
   c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.optim.grad_clip = 1e-6, 20, 0.1, 1.0
   c.eval.num_samples, c.eval.temperature, c.eval.top_p = 1, 1.0, 0.7  # avg@32 (32 copies/row)
   # Parameters and Adam state split 32 ways (fsdp 4 x tensor 8), more devices add data
-  # parallelism: at fsdp 8 or more XLA keeps ~3x the activations per layer (README, dapo-plan
-  # table). 32 devices at least.
+  # parallelism: at fsdp 8 or more XLA keeps ~3x the activations per layer (docs/planning.md,
+  # dapo-plan table). 32 devices at least.
   c.mesh = [("data", -1), ("fsdp", 4), ("tensor", 8)]
   # Several slices (multislice, e.g. 2 x v5p-128): how many slices each axis spans, so fsdp and
   # tensor stay on a slice's ICI links and only data parallelism crosses the DCN:
-  #   --config.dcn_mesh=data=2   (config.mesh stays the whole mesh; README "Cloud")
+  #   --config.dcn_mesh=data=2   (config.mesh stays the whole mesh; docs/cloud.md)
   c.dcn_mesh = ""
 
   row = arg or "dapo"

@@ -25,7 +25,7 @@ def get_config(arg: str | None = None):
   c.model.remat = "none"
   c.model.attention_impl = "xla"
   # Unrolled: on this CPU the scanned 4-layer update ran 1.11x slower and compiled no faster
-  # (`python bench/scan_layers.py`, README "Scanned layers").
+  # (`python bench/scan_layers.py`, docs/scale.md "Scanned layers").
   c.model.scan_layers = False
   c.tokenizer.kind = "char"
 
@@ -50,7 +50,7 @@ def get_config(arg: str | None = None):
   c.optim.weight_decay = 0.0
 
   # 600 warm-start steps leave the policy near 48% held-out (300 steps: 18%, where half the
-  # groups are all-wrong and DAPO gains ~11 points in 160 steps; measured, see the README).
+  # groups are all-wrong and DAPO gains ~11 points in 160 steps; measured, docs/fidelity.md).
   c.sft.update(steps=600, batch_size=64, lr=3e-3, warmup_steps=20)
   c.eval.update(every=20, num_samples=4, temperature=1.0, top_p=0.7, batch_size=128)
   c.checkpoint.update(save_every=10, max_to_keep=2, async_save=True)

@@ -48,7 +48,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.remat = "full"
   c.model.attention_impl = "auto"
   # One stacked decoder layer under jax.lax.scan: the train step compiles in a time flat in the
-  # depth (README "Scanned layers"). Orbax checkpoints differ by layout; HF exports do not.
+  # depth (docs/scale.md, "Scanned layers"). Orbax checkpoints differ by layout; HF exports do not.
   c.model.scan_layers = True
   c.model.overrides = ml_collections.ConfigDict()  # extra Qwen2Config fields (tiny models)
   # Low-rank adapters (models/lora.py, docs/lora.md): rank 0 trains every parameter (the paper).
@@ -126,7 +126,7 @@ def default_config() -> ml_collections.ConfigDict:
   # How dynamic sampling drives the rollout: "stream" admits prompts only while they can still
   # be needed and keeps exactly the groups "batch" (whole generation batches) keeps, decoding
   # less; "stream_eager" takes groups as they finish (faster on the continuous engine, biased
-  # toward short responses: see the README).
+  # toward short responses: see docs/fidelity.md).
   c.algorithm.sampling_loop = "stream"
   c.algorithm.overlong_filter = False
   # KL loss towards a frozen copy of the RL start's weights (after any SFT warm start), as

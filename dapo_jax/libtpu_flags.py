@@ -5,9 +5,9 @@ matmul) for all-gathers and reduce-scatters. From an fsdp degree of 8 up, libtpu
 layer matmul whose weight is gathered over ``fsdp`` into a windowed-einsum loop whose output
 buffers have no inputs, so they are allocated at the top of a micro-batch and stay live through
 the forward pass of every layer: the 32B train step's temporaries grow from about 0.17 GB per
-layer at fsdp 4 to 1.27 GB at fsdp 8 and 16, and with the loops off drop to 0.24 GB (README,
-"dapo-plan"). The loops overlap the gathers with compute, so turning them on may be faster
-where memory allows.
+layer at fsdp 4 to 1.27 GB at fsdp 8 and 16, and with the loops off drop to 0.24 GB (docs/scale.md,
+"libtpu's collective matmuls"). The loops overlap the gathers with compute, so turning them on
+may be faster where memory allows.
 
 Every command that compiles for a TPU (dapo-train, dapo-eval, dapo-serve, dapo-plan) applies the
 config's options before JAX starts its backends, so the plan compiles the program the trainer

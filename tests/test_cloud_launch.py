@@ -211,7 +211,7 @@ def test_maybe_initialize_is_a_no_op_on_one_host(tmp_path):
 
 
 def _tpu_launch_cmd(workdir: str) -> list[str]:
-  """The command the README's TPU walkthrough gives, plus what makes it run here: the test's
+  """The command docs/cloud.md's TPU walkthrough gives, plus what makes it run here: the test's
   own Python environment (nothing installed) and a foreground run to wait for."""
   return ["bash", "launch/tpu_vm.sh", "--name", "dapo-test", "--zone", "us-west4-a",
           "--type", "v5litepod-16", "--config", "configs/tiny_cpu.py", "--workdir", workdir,

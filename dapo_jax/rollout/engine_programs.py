@@ -5,7 +5,7 @@ decode chunk's compiler picks.
 crosses every call in XLA's default (row-major) layout. libtpu keeps the KV cache inside the
 chunk's decode loop in another layout (for the stacked cache, slots before heads), so with the
 default layout at the call boundary it copied the whole cache in on every chunk call and back
-out: a temporary of the whole cache (22.1 GiB per chip for the 32B v5p-64 row of the README).
+out: a temporary of the whole cache (22.1 GiB per chip for the 32B v5p-64 row of docs/planning.md).
 Here the chunk is compiled with the engine's layouts left to the compiler (`Layout.AUTO`, in
 and out, donated), and `init` and `enqueue` are compiled to produce and take exactly the
 layouts the chunk chose, so the state is created in them and never relaid out. On CPU the
