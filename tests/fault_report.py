@@ -1,4 +1,4 @@
-"""Figures of the reliability tests, for docs/reliability.md's fault table (`python bench/faults.py`).
+"""Figures of the reliability tests for docs/reliability.md (`python bench/faults.py`).
 
 Each test calls `record(name, figures)`: the figures are printed (`pytest -s` shows them) and,
 when `DAPO_FAULT_REPORT_DIR` is set, written to `<dir>/<name>.json`.
