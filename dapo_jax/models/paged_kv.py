@@ -36,6 +36,20 @@ from dapo_jax.models.kv_cache import Layers, per_layer
 
 # The continuous engine's cache choices (rollout.kv_cache): "auto" picks paged where it is faster.
 KV_CACHES = ("auto", "paged", "dense")
+# On CPU the paged cache wins from this many positions per slot (bench/paged_engine.py,
+# docs/paged_kv.md); on TPU and GPU it always does.
+PAGED_MIN_CACHE_LENGTH_CPU = 1024
+
+
+def resolve_kv_cache(kv_cache: str, cache_length: int, platform: str | None = None) -> str:
+  """"paged" or "dense" for ``rollout.kv_cache`` (auto: paged where it is faster) with slots of
+  ``cache_length`` positions on ``platform`` (default: the first device's)."""
+  if kv_cache not in KV_CACHES:
+    raise ValueError(f"kv_cache={kv_cache!r}; choose one of {KV_CACHES}.")
+  if kv_cache != "auto":
+    return kv_cache
+  platform = platform or jax.devices()[0].platform
+  return "paged" if platform != "cpu" or cache_length >= PAGED_MIN_CACHE_LENGTH_CPU else "dense"
 
 
 def pages_for(length: jax.Array | int, page_size: int) -> jax.Array | int:

@@ -47,9 +47,7 @@ from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.stream import FinishedGroup
 
 TRACES = prog.TRACES
-# "auto" on CPU: the paged engine from this many positions per slot (prompt + response) up,
-# where it outran the dense one (bench/paged_engine.py, docs/paged_kv.md); TPU and GPU: always.
-PAGED_MIN_CACHE_LENGTH_CPU = 1024
+PAGED_MIN_CACHE_LENGTH_CPU = paged_kv.PAGED_MIN_CACHE_LENGTH_CPU  # dapo-plan reads it here
 
 
 @dataclasses.dataclass
@@ -349,7 +347,7 @@ class ContinuousSampler:
     kv_cache: "paged" (a page pool per data shard shared by its slots, a queued prompt's pages
       in one shard's pool shared by its samples, attention over live pages), "dense" (each slot
       reserves prompt + response) or "auto" (paged on TPU and GPU, and on CPU from
-      PAGED_MIN_CACHE_LENGTH_CPU positions).
+      `paged_kv.PAGED_MIN_CACHE_LENGTH_CPU` positions).
     page_size: tokens per page (paged).
     kv_pages: pages in each data shard's pool (paged); 0 sizes it by `kv_hbm_fraction` of the
       accelerator memory left free, capped at what every slot at full length and the queued
@@ -406,11 +404,7 @@ class ContinuousSampler:
     `response_length` (None: dense cache). Raises when `kv_pages` cannot hold one prompt and
     one full-length sample besides it."""
     cache_length = prompt_length + response_length
-    kv = self.kv_cache
-    if kv == "auto":
-      cpu = jax.devices()[0].platform == "cpu"
-      kv = "paged" if not cpu or cache_length >= PAGED_MIN_CACHE_LENGTH_CPU else "dense"
-    if kv != "paged":
+    if paged_kv.resolve_kv_cache(self.kv_cache, cache_length) != "paged":
       return None
     t = self.page_size
     full = paged_kv.pages_for(cache_length, t)

@@ -53,7 +53,6 @@ from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout import slots as sl
-from dapo_jax.rollout.continuous import PAGED_MIN_CACHE_LENGTH_CPU
 from dapo_jax.rollout.jetstream_api import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
 from dapo_jax.rollout.slot_programs import PagedSpec
@@ -269,7 +268,7 @@ class QwenEngine(engine_api.Engine):
     seed: base of the per-request keys (request i uses fold_in(fold_in(key(seed), i), 0)).
     mesh: optional device mesh; parameters are laid out with `SAMPLE_RULES`.
     kv_cache: "paged", "dense" or "auto" (paged on TPU and GPU, and on CPU from
-      `continuous.PAGED_MIN_CACHE_LENGTH_CPU` positions per slot), as `rollout.kv_cache`.
+      `paged_kv.PAGED_MIN_CACHE_LENGTH_CPU` positions per slot), as `rollout.kv_cache`.
     page_size, attention_impl: the paged cache's tokens per page and decode attention kernel.
     kv_pages: pages in the pool; 0: every slot at full length (no insert can then run out).
       Sized by slots, not by `rollout.kv_hbm_fraction`: JetStream cannot preempt a request.
@@ -311,14 +310,8 @@ class QwenEngine(engine_api.Engine):
 
   def _paged_spec(self, kv_cache: str, page_size: int, kv_pages: int,
                   attention_impl: str) -> PagedSpec | None:
-    if kv_cache not in paged_kv.KV_CACHES:
-      raise ValueError(f"kv_cache={kv_cache!r}; choose one of {paged_kv.KV_CACHES}.")
     paged_attention.resolve_paged_impl(attention_impl)  # an unknown name fails here
-    if kv_cache == "auto":
-      cpu = jax.devices()[0].platform == "cpu"
-      kv_cache = ("paged" if not cpu or self.cache_length >= PAGED_MIN_CACHE_LENGTH_CPU
-                  else "dense")
-    if kv_cache == "dense":
+    if paged_kv.resolve_kv_cache(kv_cache, self.cache_length) == "dense":
       return None
     if page_size < 1 or kv_pages < 0:
       raise ValueError(f"page_size ({page_size}) must be >= 1 and kv_pages ({kv_pages}) >= 0.")
