@@ -101,14 +101,16 @@ def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step:
 def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, step: int | None,
                      mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES,
                      base: nnx.State | None = None):
-  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (its base: concrete
-  or abstract), which gets the run's adapters attached. With ``base`` (``model``'s weights), a
-  checkpoint whose adapters trained on another base is refused in one line."""
+  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (the plain model:
+  concrete or abstract; left as it is). With ``base`` (``model``'s weights), a checkpoint whose
+  adapters trained on another base is refused in one line."""
   from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  lora.add_adapters(model, lora.LoRAConfig.from_config(config.model.lora), mesh=None)
+  lcfg = lora.LoRAConfig.from_config(config.model.lora)
+  # Shapes only: drawing adapters that the restore replaces would cost a compile and memory.
+  adapted = nnx.eval_shape(lambda m: lora.add_adapters(m, lcfg), model)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32),
-                          nnx.state(model, lora.Adapter))
+                          nnx.state(adapted, lora.Adapter))
   restored = orbax_ckpt.restore_params_only(checkpoint_dir(workdir), step,
                                             abstract_params=_targets(abstract, mesh, rules))
   if base is not None:

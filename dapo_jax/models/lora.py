@@ -112,13 +112,13 @@ def add_adapters(model: nnx.Module, lcfg: LoRAConfig, seed: int = 0,
   """Puts lora_a / lora_b on every targeted Dense of ``model`` (in place; returns it).
 
   Adapters take the kernel's dtype (the train state keeps an fp32 master copy of them); with
-  ``mesh`` they are placed by the training rules, as the base kernels are.
+  ``mesh`` they are placed by the training rules, as the base kernels are. All of them are drawn
+  by one compiled program (a program per shape would compile several times per model).
   """
   from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   if lcfg.rank <= 0:
     return model
-  key = jax.random.key(seed + 0x10A)
-  n = 0
+  specs = []  # (module, A's Adapter metadata, B's, A shape, B shape, init bound, dtype)
   for path, module in model.iter_modules():
     dotted = ".".join(str(p) for p in path)
     if not (_is_dense(module) and _matches(dotted, lcfg.targets)):
@@ -128,24 +128,32 @@ def add_adapters(model: nnx.Module, lcfg: LoRAConfig, seed: int = 0,
     shape = kernel.value.shape
     lead, n_in = _lead(kernel), module.n_in
     in_shape, out_shape = shape[lead:lead + n_in], shape[lead + n_in:]
-    a_shape = shape[:lead] + in_shape + (lcfg.rank,)
-    b_shape = shape[:lead] + (lcfg.rank,) + out_shape
-    fan_in = math.prod(in_shape)
     # peft's default init of A: kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-    bound = 1.0 / math.sqrt(fan_in)
-    a = jax.random.uniform(jax.random.fold_in(key, n), a_shape, jnp.float32, -bound, bound)
-    n += 1
-    a_var = Adapter(a.astype(kernel.value.dtype),
-                    logical_axes=axes[:lead + n_in] + (RANK_AXIS,))
-    b_var = Adapter(jnp.zeros(b_shape, kernel.value.dtype),
-                    logical_axes=axes[:lead] + (RANK_AXIS,) + axes[lead + n_in:])
-    if mesh is not None:
-      for v in (a_var, b_var):
-        v.value = jax.device_put(v.value, shd.state_shardings(v, mesh, shd.TRAIN_RULES).value)
-    module.lora_a, module.lora_b, module.lora_scale = a_var, b_var, lcfg.scale
-  if not n:
+    specs.append((module, axes[:lead + n_in] + (RANK_AXIS,),
+                  axes[:lead] + (RANK_AXIS,) + axes[lead + n_in:],
+                  shape[:lead] + in_shape + (lcfg.rank,), shape[:lead] + (lcfg.rank,) + out_shape,
+                  1.0 / math.sqrt(math.prod(in_shape)), kernel.value.dtype))
+  if not specs:
     raise ValueError(f"config.model.lora.targets={lcfg.targets!r} selects no projection of "
                      "this model; use short names such as 'q' or patterns like '*.q_proj'.")
+
+  def draw(key):
+    return [(jax.random.uniform(jax.random.fold_in(key, n), a_shape, jnp.float32, -bound, bound
+                                ).astype(dtype), jnp.zeros(b_shape, dtype))
+            for n, (_, _, _, a_shape, b_shape, bound, dtype) in enumerate(specs)]
+
+  out = None
+  if mesh is not None:
+    place = lambda names, shape: shd.state_shardings(
+        Adapter(jax.ShapeDtypeStruct(shape, jnp.float32), logical_axes=names), mesh,
+        shd.TRAIN_RULES).value
+    out = [(place(a_axes, a_shape), place(b_axes, b_shape))
+           for _, a_axes, b_axes, a_shape, b_shape, _, _ in specs]
+  drawn = jax.jit(draw, out_shardings=out)(jax.random.key(seed + 0x10A))
+  for (module, a_axes, b_axes, *_), (a, b) in zip(specs, drawn):
+    module.lora_a = Adapter(a, logical_axes=a_axes)
+    module.lora_b = Adapter(b, logical_axes=b_axes)
+    module.lora_scale = lcfg.scale
   return model
 
 
