@@ -129,16 +129,12 @@ def engine_spec(config, mcfg: Qwen2Config, platform: str, tensor: int, shards: i
   queue's prompts) and never below one prompt plus one full sample."""
   # pylint: disable=g-import-not-at-top
   from dapo_jax.models import paged_kv
-  from dapo_jax.rollout import continuous
   from dapo_jax.rollout import slot_programs as prog
   # pylint: enable=g-import-not-at-top
   r = config.rollout
   p, t = config.data.max_prompt_length, int(_setting(config, "page_size", 64))
-  kv = _setting(config, "kv_cache", "auto")
-  if kv == "auto":
-    kv = "paged" if platform != "cpu" or (
-        p + r.max_response_length >= continuous.PAGED_MIN_CACHE_LENGTH_CPU) else "dense"
-  if kv != "paged":
+  if paged_kv.resolve_kv_cache(_setting(config, "kv_cache", "auto"), p + r.max_response_length,
+                               platform) != "paged":
     return None
   full, prompt = paged_kv.pages_for(p + r.max_response_length, t), paged_kv.pages_for(p, t)
   queue = max(2, -(-2 * r.max_concurrent_decodes // r.n))  # ContinuousSampler.queue_prompts
