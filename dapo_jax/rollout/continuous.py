@@ -47,7 +47,6 @@ from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.stream import FinishedGroup
 
 TRACES = prog.TRACES
-PAGED_MIN_CACHE_LENGTH_CPU = paged_kv.PAGED_MIN_CACHE_LENGTH_CPU  # dapo-plan reads it here
 
 
 @dataclasses.dataclass
