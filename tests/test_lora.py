@@ -163,9 +163,10 @@ def test_an_adapter_update_reaches_both_samplers():
     one_device = jax.device_put(weights, jax.devices()[0])
     for name, generate, w in (("static", static, weights), ("continuous", engine, one_device)):
       out = generate(w, prompts, mask, jax.random.key(update), sp, 2)
-      ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.response_ids)], 1)
-      attn = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], 1)
-      logp, _, ref = fwd(adapters, ids.astype(jnp.int32), attn.astype(jnp.int32), R,
+      # Host rows: one placement for both engines' outputs, so one compiled forward.
+      ids = np.concatenate([np.asarray(out.prompt_ids), np.asarray(out.response_ids)], 1)
+      attn = np.concatenate([np.asarray(out.prompt_mask), np.asarray(out.response_mask)], 1)
+      logp, _, ref = fwd(adapters, ids.astype(np.int32), attn.astype(np.int32), R,
                          ref_params=zeros)
       m, sampled, where = np.asarray(out.response_mask), np.asarray(out.logprobs), (name, update)
       np.testing.assert_allclose(sampled[m], np.asarray(logp)[m], atol=2e-4, err_msg=str(where))

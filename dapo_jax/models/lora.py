@@ -138,9 +138,12 @@ def add_adapters(model: nnx.Module, lcfg: LoRAConfig, seed: int = 0,
                      "this model; use short names such as 'q' or patterns like '*.q_proj'.")
 
   def draw(key):
-    return [(jax.random.uniform(jax.random.fold_in(key, n), a_shape, jnp.float32, -bound, bound
-                                ).astype(dtype), jnp.zeros(b_shape, dtype))
-            for n, (_, _, _, a_shape, b_shape, bound, dtype) in enumerate(specs)]
+    # One uniform draw cut into every A (an RNG op per adapter compiles slowly on CPU).
+    sizes = [math.prod(a_shape) for _, _, _, a_shape, _, _, _ in specs]
+    u = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [((bound * u[at:at + n]).reshape(a_shape).astype(dtype), jnp.zeros(b_shape, dtype))
+            for at, n, (_, _, _, a_shape, b_shape, bound, dtype) in zip(starts, sizes, specs)]
 
   out = None
   if mesh is not None:
