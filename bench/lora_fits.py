@@ -82,7 +82,8 @@ def largest_fitting(preset: str, target: str, rank: int, headroom: float,
   return row
 
 
-def rederive(path: str, config_file: str, overrides: tuple[str, ...]) -> dict:
+def rederive(path: str, config_file: str, overrides: tuple[str, ...],
+             static: bool = False) -> dict:
   """A saved dapo-plan JSON's phase peaks with today's LoRA rollout accounting
   (`plan_estimates.lora_rollout_bytes`), for plans compiled before it (the compiled programs'
   figures are the JSON's own)."""
@@ -90,7 +91,7 @@ def rederive(path: str, config_file: str, overrides: tuple[str, ...]) -> dict:
     plan = json.load(f)
   config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", config_file, "--target", "cpu:1", *overrides]))
-  rollout = plan.get("continuous_rollout", plan["rollout"])
+  rollout = plan["rollout"] if static else plan.get("continuous_rollout", plan["rollout"])
   state = plan["train"]["state_bytes"]
   extra = est.lora_rollout_bytes(config, plan_lib.plan_model_config(config), plan["num_devices"],
                                  rollout["parts"]["params"])
@@ -117,10 +118,13 @@ def main() -> None:
   p.add_argument("--rederive", default=None, metavar="PLAN.json",
                  help="print a saved dapo-plan JSON's phases with today's LoRA accounting "
                       "(--config and --set as the plan's command)")
+  p.add_argument("--static", action="store_true",
+                 help="with --rederive: the rollout phase of the static sampler's call")
   args = p.parse_args()
   if args.rederive:
     print(json.dumps(rederive(args.rederive, os.path.join(ROOT, args.config),
-                              tuple(f"--config.{kv}" for kv in args.set)), indent=1))
+                              tuple(f"--config.{kv}" for kv in args.set), args.static),
+                     indent=1))
     return
   rows = []
   for preset in args.presets.split(","):
