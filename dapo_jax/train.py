@@ -22,7 +22,6 @@ import ml_collections
 import numpy as np
 
 from dapo_jax import compile_cache
-from dapo_jax import config as config_lib
 from dapo_jax import curves
 from dapo_jax import diagnostics
 from dapo_jax import distributed
@@ -38,6 +37,7 @@ from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSamplingErr
 from dapo_jax.console_log import RunLogger
 from dapo_jax.logging_writers import MultiWriter, open_writers
 from dapo_jax.metrics import Timer
+from dapo_jax.run_spec import RolloutSpec, RunSpec
 from dapo_jax.train_step import TrainState
 from dapo_jax.trajectories import Trajectories
 
@@ -108,12 +108,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   A resume refuses a config whose changes from the run's ``config.json`` are not safe
   (`run_config`), unless ``allow_config_change`` names them.
   """
-  config_lib.validate(config, num_devices=jax.device_count())
+  spec = RunSpec.from_config(config, num_devices=jax.device_count())  # validated here, once
   # Before anything is built or written: a refused relaunch leaves the workdir as it was.
   # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
   launch = run_files.retry_transient(
       lambda: run_config.check(workdir, config, allow_config_change),
-      what=f"--workdir {workdir}", timeout_s=config.checkpoint.storage_wait_s)
+      what=f"--workdir {workdir}", timeout_s=spec.checkpoint.storage_wait_s)
   workdir = launch.workdir  # local path or gs:// URL
   workdir.mkdir(parents=True, exist_ok=True)
   compile_cache.setup(config, workdir)  # before the first compile
@@ -124,7 +124,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     teardown.enter_context(run)
     evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
-    evaluating = bool(run.eval_records and config.eval.every)
+    evaluating = bool(run.eval_records and spec.eval.every)
     state, start_step, resumed = _restore(run, state)
     run_config.record(launch, start_step if resumed else None)  # config.json once restored
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
@@ -140,26 +140,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     progress = RunLogger.from_config(config, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
     consecutive_skips = 0
-    for step in range(start_step, config.num_steps):
+    for step in range(start_step, spec.num_steps):
       timer = Timer()
       with timer("rollout"):
-        traj, ds_stats, diag = _sample(config, run, state, step)
-        adv = traj_lib.compute_advantages(traj, config.algorithm.norm_adv_by_std)
+        traj, ds_stats, diag = _sample(spec, run, state, step)
+        adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
-        old_logp, entropy, ref_logp = _old_log_probs(config, run, state, traj, step, ref_params)
+        old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
+                                                     ref_params)
       with timer("update"):
-        state, updates = _update(config, run, state, traj, adv, old_logp, step, ref_logp)
+        state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp)
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-      metrics = step_metrics(config, state, traj, ds_stats, updates, old_logp, entropy, timer,
-                             step)
+      metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step)
       metrics.update(diag)
-      metrics.update(_grad_weight_metrics(config, traj, adv))
-      if evaluating and (step + 1) % config.eval.every == 0:
+      metrics.update(_grad_weight_metrics(spec, traj, adv))
+      if evaluating and (step + 1) % spec.eval.every == 0:
         metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
-      _log_step(config, writer, progress, step + 1, metrics, traj)
+      _log_step(spec, writer, progress, step + 1, metrics, traj)
       result = metrics
-      if consecutive_skips >= config.optim.max_consecutive_skips:
+      if consecutive_skips >= spec.optim.max_consecutive_skips:
         run.checkpointer.wait_until_finished()
         raise NonFiniteUpdatesError(
             f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
@@ -167,8 +167,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       preempted = stop.requested(step + 1)
       # A save failed on a storage outage is retried at the next one; only
       # checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line).
-      if (preempted or (step + 1) % config.checkpoint.save_every == 0
-          or step + 1 == config.num_steps):
+      if (preempted or (step + 1) % spec.checkpoint.save_every == 0
+          or step + 1 == spec.num_steps):
         _save(run, step + 1, state)
       if preempted:  # one try: a preempted VM has seconds left
         if run.checkpointer.wait_until_finished():
@@ -179,10 +179,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        "(storage), the newest is step %s. Relaunch with the same --workdir to "
                        "resume from it.", step + 1, run.checkpointer.latest_step())
         return {**result, "stopped_at_step": float(step + 1)}
-    _last_save_landed(run, config.num_steps, state)
+    _last_save_landed(run, spec.num_steps, state)
     if evaluating and not any(k.startswith("eval/") for k in result):
-      final = evaluator(run.to_rollout(state.params), step=config.num_steps)
-      writer.write_scalars(config.num_steps, final)
+      final = evaluator(run.to_rollout(state.params), step=spec.num_steps)
+      writer.write_scalars(spec.num_steps, final)
       result.update(final)
     writer.flush()
     rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
@@ -229,7 +229,7 @@ def _before_rl(config, run: run_setup.Run, state: TrainState, evaluator
   return state, before
 
 
-def _sample(config, run: run_setup.Run, state: TrainState, step: int
+def _sample(spec: RunSpec, run: run_setup.Run, state: TrainState, step: int
             ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
   """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update;
   the step's sampling diagnostics (`diagnostics.sampling_metrics`).
@@ -239,8 +239,8 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
   groups as they finish. A kill mid-rollout resumes from the last checkpoint (a step
   boundary, where nothing is in flight) and redraws the step with the same keys.
   """
-  loop = config.algorithm.sampling_loop
-  stream = run.generator.stream(run.to_rollout(state.params), rollout_key(config.seed, step))
+  loop = spec.algorithm.sampling_loop
+  stream = run.generator.stream(run.to_rollout(state.params), rollout_key(spec.seed, step))
   batches = distributed.global_batches(run.iterator)
   try:
     if loop == "batch":
@@ -248,7 +248,7 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
     else:
       groups, ds_stats = run.sampler.sample_stream(batches, stream, wait=loop == "stream")
   except DynamicSamplingError as err:
-    raise _sampling_stopped(err, step, config, run, state) from err
+    raise _sampling_stopped(err, step, spec, run, state) from err
   finally:
     decoded = stream.stats()
     stream.close()
@@ -260,31 +260,33 @@ def _sample(config, run: run_setup.Run, state: TrainState, step: int
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
                                            "The dynamic-sampling batch")
-  ppc = config.rollout.prompts_per_call if config.rollout.engine == "static" else 0
+  r = spec.rollout
+  ppc = r.prompts_per_call if r.engine == "static" else 0
   diag = diagnostics.sampling_metrics(stream.log, groups,
-                                      max_response_length=config.rollout.max_response_length,
-                                      rows_per_decode=ppc * config.rollout.n)
+                                      max_response_length=r.max_response_length,
+                                      rows_per_decode=ppc * r.n)
   return traj, ds_stats, diag
 
 
-def _grad_weight_metrics(config, traj: Trajectories, adv: np.ndarray) -> dict[str, float]:
+def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
+                         ) -> dict[str, float]:
   """`diagnostics.grad_weight_share` under the run's loss aggregation and mini-batches."""
-  a = config.algorithm
+  a = spec.algorithm
   weights = diagnostics.row_loss_weights(
-      traj.response_mask, traj.truncated, a.loss_agg_mode,
-      config.optim.mini_batch_size * config.rollout.n, overlong_filter=a.overlong_filter)
+      traj.response_mask, traj.truncated, a.loss_agg_mode, spec.sizes.rows_per_update,
+      overlong_filter=a.overlong_filter)
   return diagnostics.grad_weight_share(adv, weights, traj.acc, traj.lengths,
-                                       config.rollout.max_response_length)
+                                       spec.rollout.max_response_length)
 
 
-def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajectories,
+def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, traj: Trajectories,
                    step: int, ref_params=None):
   """``(old, entropy, ref)`` log-probs (spec 6.2). Old: the behaviour policy's, the sampler's
   or the training forward's (+ entropy) with the sampler's kept for groups carried from an
   earlier step. Ref: the KL reference's, in the same compiled pass (None without one)."""
   rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
           distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
-  if config.rollout.use_sampler_logprobs:
+  if rollout.use_sampler_logprobs:
     ref = None
     if ref_params is not None:
       ref = np.asarray(distributed.global_to_host(run.logp_fn(ref_params, *rows)[0]))
@@ -299,12 +301,12 @@ def _old_log_probs(config, run: run_setup.Run, state: TrainState, traj: Trajecto
   return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy, ref
 
 
-def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
+def _update(spec: RunSpec, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
             step: int, ref_logp=None) -> tuple[TrainState, list[dict[str, Any]]]:
   """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update."""
-  rows_per_update = config.optim.mini_batch_size * config.rollout.n
+  rows_per_update = spec.sizes.rows_per_update
   updates = []
-  for _ in range(config.optim.ppo_epochs):
+  for _ in range(spec.optim.ppo_epochs):
     for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh,
                                        ref_logp, run.train_config.rollout_is != "none"):
       state, m = run.step_fn(state, batch, step)
@@ -312,21 +314,21 @@ def _update(config, run: run_setup.Run, state: TrainState, traj: Trajectories, a
   return state, jax.device_get(updates)
 
 
-def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
+def step_metrics(spec: RunSpec, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
                  updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer,
                  step: int) -> dict[str, float]:
   """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput."""
   metrics = _mean_metrics(updates)
   metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
   metrics.update(traj_lib.rollout_metrics(
-      traj, max_response_length=config.rollout.max_response_length,
-      buffer_len=config.reward.overlong_buffer_len))
+      traj, max_response_length=spec.rollout.max_response_length,
+      buffer_len=spec.reward.overlong_buffer_len))
   metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
   mask = traj.response_mask
   # Response tokens of groups sampled by an earlier step's policy (keep_surplus), trained with
   # that policy's log-probs as old log-probs.
   metrics["sampling/carried_tokens_trained"] = float(mask[traj.carried_rows(step)].sum())
-  if not config.rollout.use_sampler_logprobs:
+  if not spec.rollout.use_sampler_logprobs:
     # Sampler vs training forward on the same tokens (issue 29): bit-equal share, |delta logp|,
     # k3 KL and importance weights; a gap means the update is silently off-policy (verl logs
     # rollout_probs_diff and rollout_corr/*). Carried groups' old log-probs are the sampler's.
@@ -345,13 +347,13 @@ def step_metrics(config, state: TrainState, traj: Trajectories, ds_stats: Sampli
   return metrics
 
 
-def _log_step(config, writer: MultiWriter, progress: RunLogger, step: int,
+def _log_step(spec: RunSpec, writer: MultiWriter, progress: RunLogger, step: int,
               metrics: dict[str, float], traj: Trajectories) -> None:
-  n = config.rollout.n
+  n = spec.rollout.n
   writer.write_scalars(step, metrics)
   writer.write_texts(step, {f"sample_{i}": f"{traj.prompts[i // n]!r} -> {traj.texts[i]!r} "
                             f"(reward {traj.reward[i]:+.2f})"
-                            for i in range(0, min(traj.num_rows, config.num_sample_texts * n), n)})
+                            for i in range(0, min(traj.num_rows, spec.num_sample_texts * n), n)})
   progress.update(step, metrics, traj)
   writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
 
@@ -371,19 +373,19 @@ class SamplingStoppedError(RuntimeError):
   """
 
 
-def _sampling_stopped(err: DynamicSamplingError, step: int, config, run: run_setup.Run,
+def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: run_setup.Run,
                       state: TrainState) -> SamplingStoppedError:
   run.sampler.carry(err.groups)  # nothing gathered is thrown away
   # force: a resumed run re-saves its start step (iterator advanced, groups carried).
   _save(run, step, state, force=True)
-  st, gathered = err.stats, f"{len(err.groups)}/{config.optim.train_batch_size}"
+  st, gathered = err.stats, f"{len(err.groups)}/{spec.optim.train_batch_size}"
   if isinstance(err, DatasetExhaustedError):
-    what = (f"dataset {config.data.train!r} ran out after data.num_epochs="
-            f"{config.data.num_epochs} epoch(s) with {gathered} groups gathered. Raise "
+    what = (f"dataset {spec.data.train!r} ran out after data.num_epochs="
+            f"{spec.data.num_epochs} epoch(s) with {gathered} groups gathered. Raise "
             "data.num_epochs (0 = endless) or lower num_steps")
   else:
     what = (f"{gathered} groups after {st.num_gen_batches} generation batches "
-            f"(algorithm.max_num_gen_batches={config.algorithm.max_num_gen_batches}; kept ratio "
+            f"(algorithm.max_num_gen_batches={spec.algorithm.max_num_gen_batches}; kept ratio "
             f"{st.kept_ratio:.3f}, all-correct {st.all_correct_ratio:.3f}, all-wrong "
             f"{st.all_wrong_ratio:.3f}). Raise algorithm.max_num_gen_batches (0 = unlimited) "
             "or algorithm.gen_batch_size (add --allow_config_change=algorithm.gen_batch_size), "

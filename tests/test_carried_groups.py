@@ -11,6 +11,7 @@ from dapo_jax import trajectories as traj_lib
 from dapo_jax.data import arithmetic
 from dapo_jax.dynamic_sampling import DynamicSampler, SamplingStats
 from dapo_jax.metrics import Timer
+from dapo_jax.run_spec import RunSpec
 
 G, P, R = 2, 3, 4
 # The sampler's log-prob of every token, by rollout step.
@@ -54,25 +55,26 @@ def test_carried_groups_keep_the_sampler_log_probs_and_are_counted():
   np.testing.assert_array_equal(traj1.carried_rows(1), [True, True, False, False])
   assert not traj0.carried_rows(0).any()
 
-  config = config_lib.default_config()
+  spec = RunSpec.from_config(config_lib.default_config())
+  no_params = types.SimpleNamespace(params=None)
   run = types.SimpleNamespace(mesh=None, logp_fn=lambda params, ids, mask, r: (
       np.full((ids.shape[0], r), RECOMPUTED, np.float32), np.zeros((ids.shape[0], r))))
-  old1, _, ref1 = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj1, 1)  # pylint: disable=protected-access
+  old1, _, ref1 = train._old_log_probs(spec.rollout, run, no_params, traj1, 1)  # pylint: disable=protected-access
   # The carried group's old log-probs are its sampler's (step 0); the fresh group's recomputed.
   np.testing.assert_array_equal(old1[:2], SAMPLER_LOGP[0])
   np.testing.assert_array_equal(old1[2:], RECOMPUTED)
   assert ref1 is None  # no KL loss: no reference pass
-  old0, _, _ = train._old_log_probs(config, run, types.SimpleNamespace(params=None), traj0, 0)  # pylint: disable=protected-access
+  old0, _, _ = train._old_log_probs(spec.rollout, run, no_params, traj0, 0)  # pylint: disable=protected-access
   np.testing.assert_array_equal(old0, RECOMPUTED)
 
   timer = Timer()
   with timer("rollout"):
     pass
   metrics = train.step_metrics(
-      config, types.SimpleNamespace(num_skipped=0), traj1, SamplingStats(),
+      spec, types.SimpleNamespace(num_skipped=0), traj1, SamplingStats(),
       [{"skipped": 0.0}], old1, None, timer, 1)
   assert metrics["sampling/carried_tokens_trained"] == 2 + 4  # the carried group's tokens
   metrics0 = train.step_metrics(
-      config, types.SimpleNamespace(num_skipped=0), traj0, SamplingStats(),
+      spec, types.SimpleNamespace(num_skipped=0), traj0, SamplingStats(),
       [{"skipped": 0.0}], old0, None, timer, 0)
   assert metrics0["sampling/carried_tokens_trained"] == 0
