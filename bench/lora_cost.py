@@ -12,6 +12,14 @@ the median wall time of `--steps` updates after a warm-up one, and the bytes an 
 rollout side for one LoRA rank: the time of `MergedRolloutWeights` (W + s A B and the cast, once
 per step) vs `RolloutWeights` (the cast alone, full fine-tuning), and the static sampler's decode
 time with merged weights vs with the adapters applied in every decode step (the adapted graph).
+
+`--parts transfer` (8 simulated devices: `XLA_FLAGS=--xla_force_host_platform_device_count=8`):
+the bytes a LoRA run moves from the training to the rollout layout per step, read from the
+compiled programs (`sharding.collective_bytes`: what their collectives produce per device, and
+`sharding.reshard_cost`), before (merge on the training layout, then move the merged weights)
+and after (move the adapters, merge into the base kept in the rollout layout), for a rollout
+mesh of its own and for the training mesh read by `SAMPLE_RULES`; and what the resident base
+costs per device.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dapo_jax import sharding as shd
 from dapo_jax import train_step as ts
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
-from dapo_jax.models import create_model, get_preset, lora
+from dapo_jax.models import cast_params, create_model, get_preset, lora
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
@@ -139,6 +148,59 @@ def rollout_side(args, rank):
           "decode_rows": args.decode_rows, "decode_tokens": args.decode_tokens}
 
 
+def _moved(tree, dst) -> dict:
+  """Compiles the move of ``tree`` (its arrays' layouts) to ``dst``: collective bytes per
+  device, and `reshard_cost`'s source / destination / temporaries."""
+  src = jax.tree.map(lambda x: x.sharding, tree)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          tree)
+  text = jax.jit(lambda t: t, out_shardings=dst).lower(abstract).compile().as_text()
+  cost = shd.reshard_cost(tree, src, dst)
+  return {"collective_bytes": shd.collective_bytes(text), "src": cost.src, "dst": cost.dst,
+          "temp": cost.temp}
+
+
+def transfer_side(args, rank, rollout_axes):
+  """Bytes moved per step, before and after, training on ``--train_mesh``."""
+  axes = lambda spec: [(a, int(n)) for a, n in (kv.split("=") for kv in spec.split(","))]
+  train_mesh = shd.make_mesh(axes(args.train_mesh))
+  rollout_mesh = shd.make_mesh(axes(rollout_axes))
+  mcfg = get_preset(args.preset, param_dtype="bfloat16", dtype="bfloat16", scan_layers=True)
+  model = create_model(mcfg, seed=0, mesh=train_mesh)
+  lcfg = lora.LoRAConfig(rank=rank, alpha=2.0 * rank)
+  lora.add_adapters(model, lcfg, seed=1, mesh=train_mesh)
+  _, state = ts.init_train_state(model, ts.TrainConfig(), train_mesh)
+  adapters = jax.tree.map(lambda x: x + 0.01, state.params)  # B away from 0
+  dtype = mcfg.jnp_param_dtype
+
+  def merge(a, b):
+    return cast_params(lora.merge_adapters(b, a, lcfg.scale), dtype)
+  merged_sh = shd.state_shardings(jax.eval_shape(merge, adapters, state.rest), rollout_mesh,
+                                  shd.SAMPLE_RULES)
+  old = jax.jit(merge, out_shardings=merged_sh)
+  before_text = old.lower(adapters, state.rest).compile().as_text()
+  merged_train = jax.jit(merge, out_shardings=shd.state_shardings(
+      jax.eval_shape(merge, adapters, state.rest), train_mesh, shd.TRAIN_RULES))(
+          adapters, state.rest)
+  new = MergedRolloutWeights(dtype, rollout_mesh, lcfg.scale, base=state.rest)
+  same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+      jax.tree.leaves(old(adapters, state.rest)), jax.tree.leaves(new(adapters))))
+  kernels, _ = new.split_kernels(new.rollout_base(), adapters)
+  merge_text = new._fn.lower(new.move_adapters(adapters), kernels).compile().as_text()  # pylint: disable=protected-access
+  old_s = _time(lambda: old(adapters, state.rest), args.transfer_repeats)
+  new_s = _time(lambda: new(adapters), args.transfer_repeats)
+  nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+  return {
+      "rank": rank, "train_mesh": args.train_mesh, "rollout_mesh": rollout_axes,
+      "adapter_bytes": nbytes(adapters), "base_bytes": nbytes(state.rest),
+      "before": {"program_collective_bytes": shd.collective_bytes(before_text),
+                 "merged_move": _moved(merged_train, merged_sh), "seconds": old_s},
+      "after": {"adapter_move": _moved(adapters, new.rollout_shardings(adapters)),
+                "merge_collective_bytes": shd.collective_bytes(merge_text),
+                "resident_base_bytes_per_device": new.resident_bytes, "seconds": new_s},
+      "bitwise_equal": same}
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="tiny")
@@ -152,9 +214,13 @@ def main():
   p.add_argument("--rollout_rank", type=int, default=8)
   p.add_argument("--decode_repeats", type=int, default=7)
   p.add_argument("--parts", default="train,rollout")
+  p.add_argument("--train_mesh", default="data=1,fsdp=4,tensor=2")
+  p.add_argument("--rollout_meshes", default="data=4,fsdp=1,tensor=2;data=1,fsdp=4,tensor=2")
+  p.add_argument("--transfer_rank", type=int, default=8)
+  p.add_argument("--transfer_repeats", type=int, default=5)
   p.add_argument("--out", default="")
   args = p.parse_args()
-  rows, roll = [], None
+  rows, roll, transfer = [], None, []
   if "train" in args.parts:
     rows = [train_side(args, 0)] + [train_side(args, int(r)) for r in args.ranks.split(",")]
     for r in rows:
@@ -162,10 +228,14 @@ def main():
   if "rollout" in args.parts:
     roll = rollout_side(args, args.rollout_rank)
     print(json.dumps(roll), flush=True)
+  if "transfer" in args.parts:
+    for rollout_axes in args.rollout_meshes.split(";"):
+      transfer.append(transfer_side(args, args.transfer_rank, rollout_axes))
+      print(json.dumps(transfer[-1]), flush=True)
   result = {"command": "python bench/lora_cost.py " + " ".join(
       f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
             "backend": jax.default_backend(), "devices": jax.device_count(),
-            "train": rows, "rollout": roll}
+            "train": rows, "rollout": roll, "transfer": transfer}
   if args.out:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
