@@ -210,6 +210,7 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   what a dapo-train run does before RL, saved instead of kept in memory)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from dapo_jax import run_setup, sft  # pylint: disable=g-import-not-at-top
+  from dapo_jax.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
   config = tiny_config()
   config.seed, config.sft.steps = seed, sft_steps
@@ -218,8 +219,8 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   with tempfile.TemporaryDirectory() as tmp:
     run, state = run_setup.build_run(config, tmp)
     with run:
-      state, metrics = sft.warm_start(config, run.graphdef, state, run.tokenizer,
-                                      run.train_records, run.mesh)
+      state, metrics = sft.warm_start(RunSpec.from_config(config), run.graphdef, state,
+                                      run.tokenizer, run.train_records, run.mesh)
       model = nnx.merge(run.graphdef, state.params, state.rest)
       hf.save_pretrained(model, stage)
       run.tokenizer.save(stage)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import ml_collections
 
 from dapo_jax.metrics import ProgressBar
+
+if TYPE_CHECKING:  # run_spec imports config, which imports this module
+  from dapo_jax.run_spec import RunSpec
 
 _log = logging.getLogger(__name__)
 
@@ -192,18 +194,18 @@ class RunLogger:
                              disable=None if mode == "auto" else False)
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, *, initial: int = 0,
-                  headline: str | None = None, active: bool | None = None) -> RunLogger:
+  def for_run(cls, spec: RunSpec, *, initial: int = 0, headline: str | None = None,
+              active: bool | None = None) -> RunLogger:
     """The trainer's logger: ``log_every``, ``logging.console``/``samples_every``,
     ``num_sample_texts`` samples per printout, the bar showing reward, acc, kept, eval."""
     fields = {"reward": "train/reward_mean", "acc": "train/acc_mean",
               "kept": "sampling/kept_ratio"}
     if headline:
       fields["eval"] = headline
-    return cls(config.num_steps, initial=initial, mode=config.logging.console,
-               log_every=config.log_every, samples_every=config.logging.samples_every,
-               headline=headline, fields=fields, active=active, group_size=config.rollout.n,
-               num_samples=config.num_sample_texts)
+    return cls(spec.num_steps, initial=initial, mode=spec.logging.console,
+               log_every=spec.log_every, samples_every=spec.logging.samples_every,
+               headline=headline, fields=fields, active=active, group_size=spec.rollout.n,
+               num_samples=spec.num_sample_texts)
 
   def due(self, step: int, scalars: Mapping[str, Any] | None = None) -> bool:
     """Whether ``step`` gets a line: the cadence, the last step, or an eval result."""

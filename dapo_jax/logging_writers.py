@@ -1,7 +1,7 @@
 """The run's metric sinks side by side: TensorBoard + JSONL (`metrics.MetricsWriter`) and,
 when ``config.logging.wandb.enable``, Weights & Biases.
 
-    writer = open_writers(config, workdir, resume_step=...)  # the trainer's only writer
+    writer = open_writers(spec, workdir, resume_step=...)  # the trainer's only writer
     writer.write_scalars(step, scalars); writer.write_texts(step, texts); writer.flush()
 
 Every sink has the same four methods (the interface of clu's ``MetricWriter``, which is not a
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-import ml_collections
 
 from dapo_jax import run_files
 from dapo_jax.metrics import MetricsWriter
+
+if TYPE_CHECKING:  # run_spec imports config, which imports this module
+  from dapo_jax.run_spec import RunSpec
 
 _log = logging.getLogger(__name__)
 
@@ -147,16 +149,16 @@ class MultiWriter:
     run_files.close_on_exit(self.close, raising=exc_type is not None)
 
 
-def open_writers(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
+def open_writers(spec: RunSpec, workdir: str | os.PathLike, *,
                  resume_step: int | None = None, active: bool | None = None) -> MultiWriter:
-  """TensorBoard + JSONL, and wandb when ``config.logging.wandb.enable``."""
+  """TensorBoard + JSONL, and wandb when ``spec.logging.wandb.enable``."""
   writers: list[Any] = [MetricsWriter(workdir, resume_step=resume_step, active=active)]
-  wb = config.logging.wandb
+  wb = spec.logging.wandb
   if wb.enable:
     try:
       writers.append(WandbWriter(workdir, project=wb.project, entity=wb.entity, name=wb.name,
-                                 mode=wb.mode, tags=wb.tags, config=config.to_dict(),
-                                 texts_every=config.logging.samples_every or 1, active=active))
+                                 mode=wb.mode, tags=wb.tags, config=spec.to_dict(),
+                                 texts_every=spec.logging.samples_every or 1, active=active))
     except BaseException:
       writers[0].close()
       raise

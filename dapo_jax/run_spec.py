@@ -262,6 +262,10 @@ class RunSpec:
         warmup_style=o.warmup_style, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
         max_grad_norm=o.grad_clip, forward_micro_batch_size=o.micro_batch_size)
 
+  def to_dict(self) -> dict[str, Any]:
+    """Plain nested dicts and lists (JSON-ready): what wandb shows as the run's config."""
+    return _plain(self)
+
   def sampling_params(self, eos_ids: tuple[int, ...], pad_id: int, *, eval_mode: bool = False
                       ) -> SamplingParams:
     """Training rollouts (``rollout.*``) or held-out evaluation (``eval.*``: no top-k)."""
@@ -270,6 +274,16 @@ class RunSpec:
         temperature=e.temperature if eval_mode else r.temperature,
         top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
         max_new_tokens=r.max_response_length, eos_ids=tuple(eos_ids), pad_id=pad_id)
+
+
+def _plain(value):
+  if dataclasses.is_dataclass(value):
+    return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, collections.abc.Mapping):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (tuple, list)):
+    return [_plain(v) for v in value]
+  return value
 
 
 def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

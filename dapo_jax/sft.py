@@ -11,14 +11,13 @@ import dataclasses
 import logging
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
-from dapo_jax import run_setup
 from dapo_jax.data import arithmetic
 from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.generation import render_batch
+from dapo_jax.run_spec import RunSpec
 from dapo_jax.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
 
 _log = logging.getLogger(__name__)
@@ -39,26 +38,26 @@ def reference_batch(records, tokenizer, max_prompt_length: int, max_response_len
   return input_ids, attn, resp_mask
 
 
-def warm_start(config: ml_collections.ConfigDict, graphdef, state, tokenizer, records, mesh):
-  """Runs ``config.sft.steps`` supervised updates; returns (state with new params, metrics)."""
-  s = config.sft
-  tcfg = run_setup.train_config(config)
+def warm_start(spec: RunSpec, graphdef, state, tokenizer, records, mesh):
+  """Runs ``spec.sft.steps`` supervised updates; returns (state with new params, metrics)."""
+  s = spec.sft
+  tcfg = spec.train_config()
   rows = s.batch_size
   tcfg = dataclasses.replace(tcfg, lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0,
                              loss_agg_mode="token-mean", use_kl_loss=False, entropy_coeff=0.0,
                              overlong_filter=False, temperature=1.0,
-                             num_micro_batches=max(1, rows // config.optim.micro_batch_size),
+                             num_micro_batches=max(1, rows // spec.optim.micro_batch_size),
                              forward_micro_batch_size=0)
   model = nnx.merge(graphdef, state.params, state.rest)
   graphdef, sft_state = init_train_state(model, tcfg, mesh)
   step_fn = TrainStep(graphdef, tcfg, mesh)
   logp_fn = LogProbForward(graphdef, tcfg, mesh, rest=sft_state.rest)
-  it = PromptIterator(records, rows, config.seed + 1)
+  it = PromptIterator(records, rows, spec.seed + 1)
   first_nll = last_nll = float("nan")
   for i in range(s.steps):
     batch = next(it)
-    ids, attn, resp_mask = reference_batch(batch, tokenizer, config.data.max_prompt_length,
-                                           config.rollout.max_response_length)
+    ids, attn, resp_mask = reference_batch(batch, tokenizer, spec.data.max_prompt_length,
+                                           spec.rollout.max_response_length)
     ids, attn, resp_mask = jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(resp_mask)
     old, _ = logp_fn(sft_state.params, ids, attn, resp_mask.shape[1])
     sft_state, m = step_fn(sft_state, TrainBatch(

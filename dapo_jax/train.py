@@ -129,15 +129,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run_config.record(launch, start_step if resumed else None)  # config.json once restored
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
     writer = teardown.enter_context(
-        open_writers(config, workdir, resume_step=start_step if resumed else -1))
+        open_writers(spec, workdir, resume_step=start_step if resumed else -1))
     result: dict[str, float] = {}
     if not resumed:
-      state, result = _before_rl(config, run, state, evaluator if evaluating else None)
+      state, result = _before_rl(spec, run, state, evaluator if evaluating else None)
       if result:
         writer.write_scalars(0, result)
     ref_params = run_setup.reference_policy(config, workdir, state, resumed)  # None: no KL
     stop = teardown.enter_context(_StopRequest())
-    progress = RunLogger.from_config(config, initial=start_step, headline=evaluator.headline)
+    progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
     consecutive_skips = 0
     for step in range(start_step, spec.num_steps):
@@ -216,12 +216,12 @@ def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bo
   return run_setup.commit(state, run.mesh), int(meta["step"]), True
 
 
-def _before_rl(config, run: run_setup.Run, state: TrainState, evaluator
+def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
                ) -> tuple[TrainState, dict[str, float]]:
   """A fresh run's optional SFT warm start and its step-0 evaluation."""
   before: dict[str, float] = {}
-  if config.sft.steps:
-    state, before = sft.warm_start(config, run.graphdef, state, run.tokenizer, run.train_records,
+  if spec.sft.steps:
+    state, before = sft.warm_start(spec, run.graphdef, state, run.tokenizer, run.train_records,
                                    run.mesh)
     state = run.fresh_optimizer(state)  # a fresh optimizer for DAPO on the warm-started weights
   if evaluator is not None:

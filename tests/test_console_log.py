@@ -11,6 +11,7 @@ import pytest
 
 from dapo_jax import config as config_lib
 from dapo_jax import console_log as C
+from dapo_jax.run_spec import RunSpec
 
 STEP = {
     "train/acc_mean": 0.25, "train/reward_mean": -0.5, "sampling/kept_ratio": 0.75,
@@ -119,12 +120,12 @@ def test_auto_mode_lines_only_without_a_terminal(monkeypatch):
     assert ("acc=0.25" in drawn) == (stream is _Tty), drawn
 
 
-def test_from_config_reads_the_logging_keys(caplog):
+def test_for_run_reads_the_logging_keys(caplog):
   caplog.set_level(logging.INFO)
   c = config_lib.default_config()
   c.num_steps, c.log_every, c.rollout.n, c.num_sample_texts = 4, 2, 2, 1
   c.logging.update(console="lines", samples_every=4)
-  log = C.RunLogger.from_config(c, headline="eval/avg@1", active=True)
+  log = C.RunLogger.for_run(RunSpec.from_config(c), headline="eval/avg@1", active=True)
   traj = types.SimpleNamespace(prompts=["a", "b"], texts=["x", "y", "z", "w"],
                                reward=[0.0, 1.0, 1.0, 0.0])
   for step in range(1, 5):

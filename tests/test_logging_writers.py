@@ -15,6 +15,7 @@ from wandb.proto import wandb_internal_pb2
 from dapo_jax import config as config_lib
 from dapo_jax import logging_writers as W
 from dapo_jax import metrics as M
+from dapo_jax.run_spec import RunSpec
 
 
 @pytest.fixture(name="offline_wandb")
@@ -84,7 +85,7 @@ def _wandb_config(**wandb):
 def test_offline_run_holds_scalars_texts_config_and_resumes_its_id(tmp_path, offline_wandb):
   workdir = tmp_path / "run"
   c = _wandb_config(tags="dapo, tiny", name="h7")
-  with W.open_writers(c, workdir, active=True) as w:
+  with W.open_writers(RunSpec.from_config(c), workdir, active=True) as w:
     w.write_scalars(1, {"train/acc_mean": 0.25, "eval/avg@4": np.float32(0.5)})
     w.write_scalars(1, {"time/rollout": 1.5})  # same step: the same row
     w.write_texts(1, {"sample_0": "not on a samples_every step"})
@@ -109,25 +110,27 @@ def test_offline_run_holds_scalars_texts_config_and_resumes_its_id(tmp_path, off
   # A restart on the same workdir continues the same wandb run.
   run_id = (workdir / W.RUN_ID_FILE).read_text()
   assert run.run_id == run_id
-  with W.open_writers(c, workdir, resume_step=2, active=True) as w:
+  with W.open_writers(RunSpec.from_config(c), workdir, resume_step=2, active=True) as w:
     assert w.writers[1].run.id == run_id
 
 
 def test_missing_wandb_names_the_install(tmp_path, monkeypatch):
+  spec = RunSpec.from_config(_wandb_config())  # validated while wandb was there
   monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` sees when not installed
   with pytest.raises(ValueError, match=r"config\.logging\.wandb\.enable=True.*pip install wandb"):
     config_lib.validate(_wandb_config())
   with pytest.raises(ImportError, match="pip install wandb"):
-    W.open_writers(_wandb_config(), tmp_path, active=True)
+    W.open_writers(spec, tmp_path, active=True)
   # Off (the default): never imported, nothing asked of the user.
   config_lib.validate(config_lib.default_config())
-  with W.open_writers(config_lib.default_config(), tmp_path, active=True) as w:
+  with W.open_writers(RunSpec.from_config(config_lib.default_config()), tmp_path, active=True) as w:
     assert [type(x) for x in w.writers] == [M.MetricsWriter]
 
 
 def test_only_process_zero_creates_a_run(tmp_path, offline_wandb, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: 3)
-  with W.open_writers(_wandb_config(), tmp_path / "run") as w:  # active from the process index
+  # active from the process index
+  with W.open_writers(RunSpec.from_config(_wandb_config()), tmp_path / "run") as w:
     w.write_scalars(1, {"a": 1.0})
     w.write_texts(2, {"t": "x"})
   assert not (tmp_path / "run").exists()
