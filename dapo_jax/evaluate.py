@@ -131,8 +131,14 @@ def provenance(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
                workdir: str | None) -> dict[str, Any]:
   """What an evaluation used: the weights (workdir, step and the directory read, or the HF
   checkpoint), the dataset, the dtypes and the mesh, as the summary and ``--output`` name them."""
+  from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
   mesh = policy.mesh
+  # A LoRA run's weights are its adapters merged into this base (checked by fingerprint).
+  adapters = ({"lora_base": lora_base.source(config)} if workdir and lora.LoRAConfig.from_config(
+      config.model.get("lora")).rank else {})
   return {
+      **adapters,
       "workdir": workdir or None,
       "step": policy.step,
       "checkpoint": (str(policy_lib.checkpoint_dir(workdir) / str(policy.step)) if workdir
@@ -150,6 +156,8 @@ def describe(info: dict[str, Any]) -> str:
   """`provenance` as the one line ``dapo-eval`` prints above its summary."""
   weights = (f"step {info['step']} of {info['workdir']} ({info['checkpoint']})"
              if info["workdir"] else f"HF checkpoint {info['checkpoint']}")
+  if info.get("lora_base"):
+    weights += f" with its LoRA adapters merged into {info['lora_base']}"
   mesh = f"mesh {info['mesh']}" if info["mesh"] else "no mesh"
   return (f"dapo-eval: {weights}; dataset {info['dataset']} ({info['num_samples']} samples per "
           f"row); dtype {info['dtype']} (params {info['param_dtype']}); {mesh} "

@@ -260,6 +260,8 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   base_eval, ev = evaluate.evaluate_policy(config, pol._replace(params=base), records)
   assert lora_eval["eval/num_samples"] == base_eval["eval/num_samples"] == 32
   assert sum(x != y for x, y in zip(texts, ev.last_texts)) > len(texts) // 2
+  line = evaluate.describe(evaluate.provenance(config, pol, workdir))
+  assert "step 2 of" in line and "LoRA adapters merged into preset" in line, line
   merged, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
   export.main([f"--workdir={workdir}", f"--out={merged}"])
   assert {"config.json", "model.safetensors"} <= set(os.listdir(merged))
