@@ -215,9 +215,9 @@ def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path, monk
   assert len(a) == len(b) == 2 * 7 * n_layers  # lora_a and lora_b of q k v o gate up down
   for x, y in zip(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  _check_policy_and_exports(cfg(2), str(part), b, tmp_path)
+  merged = _check_policy_and_exports(cfg(2), str(part), b, tmp_path)
   other = cfg(3)
-  other.seed = 1  # another random base
+  other.model.checkpoint = merged  # another base: the run's own merged export
   _check_other_base_is_refused(other, str(part))
 
 
@@ -268,19 +268,23 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   export.main([f"--workdir={workdir}", f"--out={peft_dir}", "--peft"])
   cfg = json.load(open(os.path.join(peft_dir, "adapter_config.json")))
   assert (cfg["r"], cfg["lora_alpha"], len(cfg["target_modules"])) == (2, 4.0, 7)
+  return merged
 
 
 def _check_other_base_is_refused(config, workdir):
-  """A resume, dapo-eval and dapo-serve on another base than the adapters trained on: one line
-  each, naming both bases."""
+  """A resume, dapo-eval and dapo-serve on another base (an HF directory, ``config``'s) than the
+  adapters trained on (the preset at seed 0): one line each, naming both bases."""
   from dapo_jax import evaluate, serve  # pylint: disable=g-import-not-at-top
   from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  other = config.model.checkpoint
   launches = {
-      "resume": lambda: train_and_evaluate(config, workdir, allow_config_change=("seed",)),
-      "dapo-eval": lambda: evaluate.main([f"--workdir={workdir}", "--config.seed=1"]),
+      "resume": lambda: train_and_evaluate(config, workdir,
+                                           allow_config_change=("model.checkpoint",)),
+      "dapo-eval": lambda: evaluate.main([f"--workdir={workdir}",
+                                          f"--config.model.checkpoint={other}"]),
       "dapo-serve": lambda: serve.load_model(config, workdir=workdir)}
   for name, launch in launches.items():
     with pytest.raises(ValueError, match="holds LoRA adapters of the base") as err:
       launch()
     msg = str(err.value)
-    assert "\n" not in msg and "seed 0" in msg and "seed 1" in msg, (name, msg)
+    assert "\n" not in msg and "seed 0" in msg and other in msg, (name, msg)
