@@ -2,6 +2,9 @@ r"""Compiles the paged decode step for one TPU chip of the rollout mesh (libtpu,
 
     python bench/paged_decode_compile.py --layers 2        # quick
     python bench/paged_decode_compile.py                   # Qwen2.5-32B, 64 layers, v5p-64 row
+    # the continuous engine's whole chunk on v5p-64's mesh (as dapo-plan compiles it), N layers:
+    python bench/paged_decode_compile.py --engine_chunk --layers 4 --impl ragged_tpu --slots 256 \
+        --pages 35325 [--scan 0]
 
 The model is the chip's share of Qwen2.5-32B under ``tensor`` 8 (5 attention heads, 1 KV head,
 1/8 of the MLP and vocabulary: `plan_paged.per_chip_model`), the slots and pool those
@@ -35,7 +38,12 @@ def main() -> None:
   ap.add_argument("--impl", default="pallas_tpu", help="pallas_tpu, or ragged_tpu (combined pool)")
   ap.add_argument("--scan", type=int, default=1, help="scanned layers (the 32B config's)")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--engine_chunk", action="store_true",
+                  help="the engine's chunk on the 32B v5p-64 plan's mesh (--slots: all slots)")
   args = ap.parse_args()
+  if args.engine_chunk:
+    engine_chunk(args)
+    return
   plan_lib.prepare_libtpu_env(f"tpu:{args.topology}")
   device = plan_lib.tpu_devices(args.topology)[0]
   mcfg = get_preset("qwen2.5-32b").replace(num_hidden_layers=args.layers, dtype="bfloat16",
@@ -57,6 +65,35 @@ def main() -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)
+
+
+def engine_chunk(args) -> None:
+  """`dapo-plan`'s paged chunk (`plan.compile_continuous_rollout`) for the 32B paper config on
+  v5p-64 (fsdp 4, tensor 8) at ``--layers`` layers, ``--pages`` pages per data shard."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
+  target = "tpu:v5p:2x4x4"
+  plan_lib.prepare_libtpu_env(target)
+  flags = plan_lib._parse([  # pylint: disable=protected-access
+      "--config", "configs/dapo_qwen2_5_32b.py", "--target", target,
+      f"--config.rollout.max_concurrent_decodes={args.slots}",
+      "--config.mesh=data=1,fsdp=-1,tensor=8", f"--config.rollout.attention_impl={args.impl}"])
+  config = plan_lib.configure(flags)
+  tgt = plan_lib.parse_target(target)
+  mcfg = plan_lib.plan_model_config(config).replace(num_hidden_layers=args.layers,
+                                                    scan_layers=bool(args.scan))
+  mesh = shd.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 8)], devices=list(tgt.devices))
+  spec = plan_paged.engine_spec(config, mcfg, "tpu", 8, 4, tgt.hbm_bytes, 0)
+  spec = dataclasses.replace(spec, num_pages=args.pages)
+  with attention.compile_for("tpu"):
+    c = plan_lib.compile_continuous_rollout(config, mcfg, mesh,
+                                            plan_lib.sampling_params(config, mcfg), spec)
+  gib = 2**30
+  print(f"{args.impl} chunk, {args.layers} layers, scan {bool(args.scan)}, {args.slots} slots, "
+        f"{args.pages} pages/shard: engine state {c['parts']['engine_state'] / gib:.2f} GiB, "
+        f"temporaries {c.get('memory', {}).get('temp', 0) / gib:.2f} GiB per chip, "
+        f"oom {c.get('oom')}, kernel calls {c.get('kernel_calls')}")
 
 
 if __name__ == "__main__":
