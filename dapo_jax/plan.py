@@ -412,9 +412,12 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
           "chunk_steps": sampler.chunk_steps, "params": shd.per_device_bytes(state, state_sh)}
   if init_compiled is None:
     return info | {"oom": oom}
-  engine = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        init.out_info, init_compiled.output_shardings)
   sds, rep = jax.ShapeDtypeStruct, NamedSharding(mesh, PartitionSpec())
+  out_sh = init_compiled.output_shardings
+  if mesh.devices.size == 1:  # a one-chip compile reports its outputs on the host's CPU device
+    out_sh = jax.tree.map(lambda _: rep, out_sh)
+  engine = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        init.out_info, out_sh)
   i32 = lambda *shape: sds(shape, jnp.int32, sharding=rep)
   enqueue = prog.enqueue_program.lower(
       state, engine, i32(1, prompt_slots), i32(1), i32(1), i32(1), i32(1, g), i32(1),
@@ -424,7 +427,7 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
       state, engine, graphdef=graphdef, params=sp, mesh=prog_mesh,
       chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit, paged=paged)
   return info | {"enqueue": enqueue, "chunk": chunk, "engine_bytes": shd.per_device_bytes(
-      engine, init_compiled.output_shardings)}
+      engine, out_sh)}
 
 
 def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
