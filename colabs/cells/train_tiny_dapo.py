@@ -68,8 +68,9 @@ repository, not with the pip package):
 ```
 
 What fits, from `dapo-plan`'s per-device memory: an ESTIMATE (the analytic model; not a run,
-not a compile) for the GPUs, at 92% of their memory; TPU v5e-1 rows say whether they were
-compiled (docs/lora.md, "What fits where", has the commands and every figure). "LoRA" is rank
+not a compile), at 92% of a GPU's memory and 16 GiB for a v5e chip. One cell was also compiled
+by libtpu: Qwen2.5-1.5B with LoRA on a v5e chip needs 11.4 GiB at 48 continuous-engine slots
+(docs/lora.md, "What fits where", has the commands and every figure). "LoRA" is rank
 32, "full" trains every parameter (fp32 master weights and Adam moments); the number is the
 largest rollout call, in prompts x 8 samples, that leaves 5% of the memory free.
 
