@@ -3,7 +3,7 @@
   python bench/lora_study.py                       # sweep, then 3 seeds x 160 RL steps a variant
   python bench/lora_study.py --max_runs 4          # one sitting's share
   python bench/lora_study.py --steps 2 --sweep_steps 2 --seeds 0 --ranks 1 --lr_mults 10 \
-      --sft_steps 2 --eval_every 2 --smoke --results /tmp/lora_smoke   # smoke test
+      --sft_steps 2 --eval_every 2 --smoke --results /tmp/lora_smoke --warm_starts /tmp/lora_smoke
 
 Every run is `dapo-train --config configs/tiny_cpu.py:dapo` from the warm start of its seed
 (bench/table1_cpu.py's, shared with the ablation: `<--warm_starts>/warm_starts/`), with
@@ -12,6 +12,8 @@ a sweep on seed 0 (`--sweep_steps` steps, lr = config lr x each of `--lr_mults`)
 rank's rate by held-out avg@k after the sweep; the sweep results stay in `<results>/sweep/`.
 Then every variant runs `--steps` steps for each seed in `--seeds`. A run whose JSON exists is
 skipped, and an interrupted run resumes from its workdir's checkpoint (`--scratch`).
+A run whose policy collapses (dynamic sampling stops: every group all wrong) is a result, not a
+crash: it is recorded with held-out `after` = 0 and `collapsed`, so the sweep never picks it.
 `<results>/summary.md` gives each variant's gain (after - before) over seeds, and whether it is
 within the seed spread of full fine-tuning's.
 """
@@ -54,10 +56,12 @@ def run_one(results: str, group: str, rank: int, lr: float, seed: int, spec: t1.
   if rank:
     extra += [f"--config.model.lora.rank={rank}", f"--config.model.lora.alpha={2.0 * rank}"]
   start = time.perf_counter()
-  rows = _train(seed, spec, warm, workdir, extra)
+  rows, stopped = _train(seed, spec, warm, workdir, extra)
   res = {"spec": spec.to_json(), "variant": name, "rank": rank, "lr": lr, "seed": seed,
          "warm_start_sha256": warm_hash, "wall_s": time.perf_counter() - start,
          "host": t1.host_info(), **t1.summarize_run(rows)}
+  if stopped:  # the policy collapsed: dynamic sampling found no mixed group (all wrong)
+    res.update(collapsed=True, stopped=stopped, after=0.0, pass_after=0.0)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(res, f, indent=1)
@@ -77,16 +81,22 @@ def _train(seed, spec, warm, workdir, extra):
   with open(os.path.join(workdir, "run.log"), "a", encoding="utf-8") as log:
     log.write("+ " + " ".join(cmd) + "\n")
     log.flush()
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
-  return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    done = subprocess.run(cmd, cwd=ROOT, check=False, stdout=log, stderr=subprocess.STDOUT)
+  stopped = ""
+  if done.returncode:
+    with open(os.path.join(workdir, "run.log"), encoding="utf-8") as f:
+      stopped = next((line.strip() for line in f if "SamplingStoppedError:" in line), "")
+    if not stopped:  # any other failure is a bug, not a result
+      raise subprocess.CalledProcessError(done.returncode, cmd)
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl")), stopped
 
 
 def summary(results: str, full: list[dict], by_rank: dict[int, list[dict]]) -> str:
   gain = lambda rs: np.array([r["after"] - r["before"] for r in rs])
   g_full = gain(full)
   lo, hi = (g_full.min(), g_full.max()) if len(g_full) else (np.nan, np.nan)
-  lines = ["| variant | lr | seeds | gain mean | gain min..max | within full's seed range |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| variant | lr | seeds | gain mean | gain min..max | within full's seed range | "
+           "collapsed |", "|---|---|---|---|---|---|---|"]
   rows = [("full", full)] + [(f"LoRA r{r}", rs) for r, rs in sorted(by_rank.items())]
   for label, rs in rows:
     if not rs:
@@ -94,7 +104,8 @@ def summary(results: str, full: list[dict], by_rank: dict[int, list[dict]]) -> s
     g = gain(rs)
     within = "-" if label == "full" else str(bool(lo <= g.mean() <= hi))
     lines.append(f"| {label} | {rs[0]['lr']:g} | {len(rs)} | {g.mean():+.3f} | "
-                 f"{g.min():+.3f}..{g.max():+.3f} | {within} |")
+                 f"{g.min():+.3f}..{g.max():+.3f} | {within} | "
+                 f"{sum(bool(r.get('collapsed')) for r in rs)} |")
   text = "\n".join(lines) + "\n"
   with open(os.path.join(results, "summary.md"), "w", encoding="utf-8") as f:
     f.write(text)
