@@ -72,9 +72,10 @@ def enable(path: str | None) -> str | None:
   return path
 
 
-def setup(config, workdir) -> str | None:
-  """Enables the cache ``config.compilation_cache_dir`` names for ``workdir``; logs where."""
-  path = enable(resolve_dir(config.get("compilation_cache_dir", "auto"), workdir))
+def setup(cache_dir: str, workdir) -> str | None:
+  """Enables the cache ``compilation_cache_dir`` names ("auto", "off" or a directory) for
+  ``workdir``; logs where."""
+  path = enable(resolve_dir(cache_dir, workdir))
   if path is not None:
     _log.info("Persistent compilation cache: %s", path)
   return path

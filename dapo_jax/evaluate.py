@@ -171,7 +171,7 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
   distributed.maybe_initialize()
   config = fv.config
-  compile_cache.setup(config, cli.expand(fv.workdir))
+  compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
   config, policy = _config_and_params(fv, policy_lib.sampling_mesh(config))
   records = run_setup.load_dataset(config.data.eval, config, "eval")
   summary, evaluator = evaluate_policy(config, policy, records)

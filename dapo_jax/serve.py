@@ -90,7 +90,7 @@ def build_engine(fv):
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
   config = fv.config
   libtpu_flags.apply(config)
-  compile_cache.setup(config, cli.expand(fv.workdir))
+  compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
   mesh = policy_lib.sampling_mesh(config)
   model, tokenizer = load_model(config, workdir=cli.expand(fv.workdir), step=fv.step, mesh=mesh)
   tokenizer_path = config.tokenizer.path or config.model.checkpoint

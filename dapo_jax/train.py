@@ -116,7 +116,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       what=f"--workdir {workdir}", timeout_s=spec.checkpoint.storage_wait_s)
   workdir = launch.workdir  # local path or gs:// URL
   workdir.mkdir(parents=True, exist_ok=True)
-  compile_cache.setup(config, workdir)  # before the first compile
+  compile_cache.setup(spec.compilation_cache_dir, workdir)  # before the first compile
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
     compiles = teardown.enter_context(compile_cache.CompileCounter())
     teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
