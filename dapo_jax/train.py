@@ -186,7 +186,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       result.update(final)
     writer.flush()
     rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
-    _log_held_out(config, workdir, evaluator.headline, rows)
+    _log_held_out(spec.num_steps, workdir, evaluator.headline, rows)
     return result
 
 
@@ -358,11 +358,11 @@ def _log_step(spec: RunSpec, writer: MultiWriter, progress: RunLogger, step: int
   writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
 
 
-def _log_held_out(config, workdir, headline: str, rows: list[dict[str, Any]]) -> None:
+def _log_held_out(num_steps: int, workdir, headline: str, rows: list[dict[str, Any]]) -> None:
   evals = [r[headline] for r in rows if r.get(headline) is not None]
   if evals:
     _log.info("Held-out %s: %.3f at the start of RL -> %.3f after %d steps. Curves: %s",
-              headline, evals[0], evals[-1], config.num_steps, workdir / run_files.CURVES_FILE)
+              headline, evals[0], evals[-1], num_steps, workdir / run_files.CURVES_FILE)
 
 
 class SamplingStoppedError(RuntimeError):

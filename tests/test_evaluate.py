@@ -174,5 +174,5 @@ def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_p
   line = console_log.format_line(5, 10, out, ev.headline)
   assert f"{ev.headline} {out[ev.headline]:.3f}" in line
   with caplog.at_level(logging.INFO, logger=train.__name__):
-    train._log_held_out(c, pathlib.Path(tmp_path), ev.headline, [out, out])  # pylint: disable=protected-access
+    train._log_held_out(c.num_steps, pathlib.Path(tmp_path), ev.headline, [out, out])  # pylint: disable=protected-access
   assert f"Held-out {ev.headline}" in caplog.text
