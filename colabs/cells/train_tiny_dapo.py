@@ -73,12 +73,14 @@ by libtpu: Qwen2.5-1.5B with LoRA on a v5e chip needs 11.4 GiB at 48 continuous-
 (docs/lora.md, "What fits where", has the commands and every figure). "LoRA" is rank
 32, "full" trains every parameter (fp32 master weights and Adam moments); the number is the
 largest rollout call, in prompts x 8 samples, that leaves 5% of the memory free; "no" gives
-the peak in GiB at one prompt where it is shown.
+the peak in GiB at one prompt where it is shown. The estimate is optimistic for full
+fine-tuning: *the analytic model gave 1.5B full 12 prompts on the A100, but libtpu's compile of
+that train step on one chip needs 49.7 GiB; the 0.5B "full" cells are unchecked.
 
 | model | T4 (16 GB) | L4 (24 GB) | A100 (40 GB) | TPU v5e-1 (16 GiB) |
 |---|---|---|---|---|
 | Qwen2.5-0.5B | LoRA 16, full 12 | LoRA 16, full 16 | LoRA 16, full 16 | LoRA 16, full 16 |
-| Qwen2.5-1.5B | LoRA 6; full no (26.6) | LoRA 12; full no | LoRA 16, full 12 | LoRA 8; full no |
+| Qwen2.5-1.5B | LoRA 6; full no (26.6) | LoRA 12; full no | LoRA 16; full no* | LoRA 8; full no |
 | Qwen2.5-3B | LoRA 1; full no (53.0) | LoRA 6; full no | LoRA 16; full no | LoRA 2; full no |
 | Qwen2.5-7B | no (LoRA 29.2) | no | LoRA 2; full no (129) | no |
 
