@@ -125,8 +125,8 @@ def engine_spec(config, mcfg: Qwen2Config, platform: str, tensor: int, shards: i
                 hbm_bytes: int | None, resident_bytes: int):
   """The paged engine's `PagedSpec` on ``platform`` as the trainer's `ContinuousSampler`
   would pick it for ``config`` (None: the dense cache): "auto" is paged on TPU and GPU; the
-  pool is `pool_pages`, capped as the sampler caps it (every slot at full length plus the
-  queue's prompts) and never below one prompt plus one full sample."""
+  pool is `pool_pages`, capped as the sampler caps it (every slot of a data shard at full
+  length plus the queue's prompts) and never below one prompt plus one full sample."""
   # pylint: disable=g-import-not-at-top
   from dapo_jax.models import paged_kv
   from dapo_jax.rollout import slot_programs as prog
@@ -138,7 +138,7 @@ def engine_spec(config, mcfg: Qwen2Config, platform: str, tensor: int, shards: i
     return None
   full, prompt = paged_kv.pages_for(p + r.max_response_length, t), paged_kv.pages_for(p, t)
   queue = max(2, -(-2 * r.max_concurrent_decodes // r.n))  # ContinuousSampler.queue_prompts
-  enough = r.max_concurrent_decodes * full + queue * prompt + 1
+  enough = r.max_concurrent_decodes // shards * full + queue * prompt + 1  # one shard's
   pages, _ = pool_pages(config, mcfg, tensor, hbm_bytes, resident_bytes)
   pages = pages if _setting(config, "kv_pages", 0) else min(enough, max(prompt + full + 1, pages))
   return prog.PagedSpec(num_pages=pages, page_size=t, impl=_setting(config, "attention_impl",

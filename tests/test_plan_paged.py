@@ -153,7 +153,8 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
   assert spec.num_pages == int(0.9 * 2**19) // page_bytes == 57 and spec.shards == 2
   roomy = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
   queue = max(2, -(-2 * 8 // config.rollout.n))  # the sampler's queued prompts of 4 pages
-  assert roomy.num_pages == 8 * 8 + queue * 4 + 1  # 8 slots x 8 pages (128 tokens) + 1
+  # A shard's 4 of the 8 slots x 8 pages (128 tokens), the queue's prompts, + 1.
+  assert roomy.num_pages == 4 * 8 + queue * 4 + 1
   # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
   spec = dataclasses.replace(spec, num_pages=8192)
   with attention.compile_for("tpu"):

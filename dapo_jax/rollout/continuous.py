@@ -408,8 +408,10 @@ class ContinuousSampler:
     t = self.page_size
     full = paged_kv.pages_for(cache_length, t)
     smallest = paged_kv.pages_for(prompt_length, t) + full + 1
-    # Never more than every slot at full length plus every queued prompt: no preemption.
-    enough = self.num_slots * full + queue_size * paged_kv.pages_for(prompt_length, t) + 1
+    # Never more than a data shard's slots at full length plus every queued prompt (each pool
+    # is one shard's): no preemption.
+    enough = (self.num_slots // self.batch_shards * full
+              + queue_size * paged_kv.pages_for(prompt_length, t) + 1)
     pages = self.kv_pages or min(enough, max(smallest, self._pages_in_budget(state, t)))
     if pages < smallest:
       raise ValueError(
