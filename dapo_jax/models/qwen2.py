@@ -352,11 +352,16 @@ class Qwen2ForCausalLM(nnx.Module):
         ks.append(k_BxTxKxE)
         vs.append(v_BxTxKxE)
       return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.jnp_dtype)
-    layer_fn = _layer_apply
-    if cfg.remat != "none":
-      layer_fn = nnx.remat(_layer_apply, policy=REMAT_POLICIES[cfg.remat])
     for layer in self.layers:
-      x = layer_fn(layer, x, positions_BxT, mask)
+      if cfg.remat == "none":
+        x = _layer_apply(layer, x, positions_BxT, mask)
+        continue
+      # jax.checkpoint over the layer's state, as the scanned path does: nnx.remat would write
+      # the layer's variables back, and a LoRA step's frozen base (traced outside the gradient)
+      # cannot be written from inside it (TraceContextError).
+      graphdef, state = nnx.split(layer)
+      apply = lambda s, h, g=graphdef: _layer_apply(nnx.merge(g, s), h, positions_BxT, mask)
+      x = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])(state, x)
     return self.norm(x), None
 
   @scoped("prefill")
