@@ -4,7 +4,7 @@ dapo_jax uses JetStream's `Engine`/`Tokenizer` interfaces, ``token_utils.pad_tok
 orchestrator. None of them runs TensorFlow, but ``jetstream/engine/token_utils.py`` (0.2.2)
 imports ``seqio.vocabularies`` at module level for its SentencePiece path, and seqio imports
 TensorFlow and tensorflow-text (~2.1 GB, most of the install). So dapo_jax installs
-google-jetstream with ``--no-deps`` (launch/setup_env.sh, launch/worker_env.sh, README "Install") and, when
+google-jetstream with ``--no-deps`` (launch/setup_env.sh, launch/worker_env.sh, README) and, when
 seqio is absent, imports JetStream with a stand-in for the two seqio names it binds. The stand-in
 is removed from ``sys.modules`` right after, so ``import seqio`` still fails as it should.
 
