@@ -137,22 +137,9 @@ def load_dataset(name: str, config: ml_collections.ConfigDict, split: str
 
 
 def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
-  """The compiled update's settings (spec 4 and 6)."""
-  a, o = config.algorithm, config.optim
-  rows = o.mini_batch_size * config.rollout.n
-  return TrainConfig(
-      num_micro_batches=max(1, rows // o.micro_batch_size), temperature=config.rollout.temperature,
-      clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-      clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
-      kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-      # .get: a workdir's config.json from before the rollout correction existed has none.
-      overlong_filter=a.overlong_filter, rollout_is=a.get("rollout_is", "none"),
-      rollout_is_cap=float(a.get("rollout_is_cap", 2.0)),
-      rollout_is_band=tuple(float(x) for x in a.get("rollout_is_band", (0.5, 2.0))),
-      micro_batch_loss=o.micro_batch_loss, lr=o.lr,
-      warmup_steps=o.warmup_steps, warmup_style=o.warmup_style, b1=o.b1,
-      b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
-      forward_micro_batch_size=o.micro_batch_size)
+  """The compiled update's settings (spec 4 and 6), as the run spec reads them."""
+  from dapo_jax.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  return RunSpec.from_config(config).train_config()
 
 
 def sampling_params(config: ml_collections.ConfigDict, tokenizer, *, eval_mode: bool = False

@@ -21,7 +21,6 @@ from typing import Any, Mapping
 import ml_collections
 
 from dapo_jax import config as config_lib
-from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.train_step import TrainConfig
 
 Mesh = tuple[tuple[str, int], ...]  # ((axis, size), ...); one size may be -1
@@ -265,15 +264,6 @@ class RunSpec:
   def to_dict(self) -> dict[str, Any]:
     """Plain nested dicts and lists (JSON-ready): what wandb shows as the run's config."""
     return _plain(self)
-
-  def sampling_params(self, eos_ids: tuple[int, ...], pad_id: int, *, eval_mode: bool = False
-                      ) -> SamplingParams:
-    """Training rollouts (``rollout.*``) or held-out evaluation (``eval.*``: no top-k)."""
-    r, e = self.rollout, self.eval
-    return SamplingParams(
-        temperature=e.temperature if eval_mode else r.temperature,
-        top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
-        max_new_tokens=r.max_response_length, eos_ids=tuple(eos_ids), pad_id=pad_id)
 
 
 def _plain(value):
