@@ -176,17 +176,12 @@ def test_only_outages_are_retried():
     run_files.retry_transient(lambda: (_ for _ in ()).throw(refused), what="x", timeout_s=0)
 
 
-def test_failed_saves_are_warnings_then_a_resave_of_the_same_step_lands(gcs, monkeypatch,
-                                                                        caplog):
-  """In-process, against the stopped server: two failed saves are one warning each (the async
-  one found at the next save), with no third-party traceback logged; storage back, the same
-  step is saved again over its partial files (the end of a run retries its last save) and the
-  failure count starts over."""
+def _in_process_scaled(gcs, monkeypatch) -> None:
+  """This process talks to the emulator, with gcsfs's and TensorStore's retry waits scaled by
+  SCALE (undone by ``ock.bound_tensorstore_retries()`` at the test's end)."""
   import asyncio  # pylint: disable=g-import-not-at-top
-  import logging  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import orbax as ock  # pylint: disable=g-import-not-at-top
-  from tests.test_orbax_checkpoint import _small_state  # pylint: disable=g-import-not-at-top
   for k, v in gcs.env.items():
     monkeypatch.setenv(k, v)
   gcs.apply_in_process()
@@ -195,6 +190,18 @@ def test_failed_saves_are_warnings_then_a_resave_of_the_same_step_lands(gcs, mon
   monkeypatch.setattr(retry, "asyncio", types.SimpleNamespace(
       sleep=lambda seconds: real_sleep(seconds * SCALE)))
   ock.bound_tensorstore_retries(6, 1.0 * SCALE, 16.0 * SCALE)
+
+
+def test_failed_saves_are_warnings_then_a_resave_of_the_same_step_lands(gcs, monkeypatch,
+                                                                        caplog):
+  """In-process, against the stopped server: two failed saves are one warning each (the async
+  one found at the next save), with no third-party traceback logged; storage back, the same
+  step is saved again over its partial files (the end of a run retries its last save) and the
+  failure count starts over."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints import orbax as ock  # pylint: disable=g-import-not-at-top
+  from tests.test_orbax_checkpoint import _small_state  # pylint: disable=g-import-not-at-top
+  _in_process_scaled(gcs, monkeypatch)
   bucket = f"b-{uuid.uuid4().hex[:8]}"
   gcs.create_bucket(bucket)
   try:
@@ -218,5 +225,43 @@ def test_failed_saves_are_warnings_then_a_resave_of_the_same_step_lands(gcs, mon
       ck.save(3, *_small_state(3))
       assert ck.wait_until_finished() and ck.unsaved_failures == 0
       assert ck.all_steps() == [1, 3]
+  finally:
+    ock.bound_tensorstore_retries()
+
+
+
+def test_close_during_an_outage_warns_and_never_raises_the_clients_error(gcs, monkeypatch,
+                                                                           caplog):
+  """A run stopped while storage is down closes its checkpointer in teardown. Whether the last
+  save is pending (its failure found in `close`) or already failed (nothing pending, Orbax's
+  own wait and close meet the outage), `close` warns and returns, so the error that stopped the
+  run (e.g. the metrics' `StorageUnavailableError`, exit code 2) is the one the user sees."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints import orbax as ock  # pylint: disable=g-import-not-at-top
+  from tests.test_orbax_checkpoint import _small_state  # pylint: disable=g-import-not-at-top
+  _in_process_scaled(gcs, monkeypatch)
+  bucket = f"b-{uuid.uuid4().hex[:8]}"
+  gcs.create_bucket(bucket)
+  try:
+    for saves_in_outage in (1, 2, 3):  # pending at close; failed in save; over the limit
+      ck = ock.TrainCheckpointer(f"gs://{bucket}/ck{saves_in_outage}",
+                                 max_consecutive_failed_saves=3)
+      ck.save(1, *_small_state(1))
+      assert ck.wait_until_finished()
+      caplog.clear()
+      gcs.stop()
+      try:
+        with caplog.at_level(logging.WARNING):
+          for step in range(2, 2 + saves_in_outage):
+            ck.save(step, *_small_state(step))
+          ck.close()
+      except run_files.StorageUnavailableError:
+        assert saves_in_outage == 3  # the third failure in a row stops the run, in `save`
+        ck.close()
+      finally:
+        gcs.start()
+      warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+      last = min(saves_in_outage, 2) + 1  # the third failure is the error, not a warning
+      assert any(f"step {last} not saved" in w for w in warnings), warnings
   finally:
     ock.bound_tensorstore_retries()

@@ -636,12 +636,27 @@ class TrainCheckpointer:
 
   def close(self) -> None:
     """Waits for the pending save and releases Orbax's threads; a failed last save is a
-    warning here (the caller that needs it on disk waits with `wait_until_finished`)."""
+    warning here (the caller that needs it on disk waits with `wait_until_finished`).
+
+    A storage outage met here (by the pending save, or by Orbax's own background work and
+    close) is a warning too: `close` runs in the teardown of a run that may be stopping for
+    another reason, whose error must be the one the user sees."""
     try:
       self.wait_until_finished()
     except run_files.StorageUnavailableError as e:
       _log.warning("%s", e)
-    self._mgr.close()
+    except Exception as e:  # pylint: disable=broad-except
+      self._warn_on_close(e)
+    try:
+      self._mgr.close()
+    except Exception as e:  # pylint: disable=broad-except
+      self._warn_on_close(e)
+
+  def _warn_on_close(self, e: Exception) -> None:
+    if not run_files.is_transient(e):
+      raise e
+    _log.warning("Closing the checkpoints in %s met a storage outage (%s); the newest saved "
+                 "step is %s.", self.directory, run_files.describe(e), self._mgr.latest_step())
 
   def __enter__(self) -> TrainCheckpointer:
     return self
