@@ -80,10 +80,10 @@ setuptools.setup(
     entry_points={
         "console_scripts": [
             "dapo-train=dapo_jax.main:run",
-            "dapo-eval=dapo_jax.evaluate:run",
-            "dapo-serve=dapo_jax.serve:run",
-            "dapo-plan=dapo_jax.plan:run",
-            "dapo-export=dapo_jax.export:run",
+            "dapo-eval=dapo_jax.trainer.evaluate:run",
+            "dapo-serve=dapo_jax.commands.serve:run",
+            "dapo-plan=dapo_jax.planner.plan:run",
+            "dapo-export=dapo_jax.commands.export:run",
         ]
     },
 )

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout import Sampler, SamplingParams
 

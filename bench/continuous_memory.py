@@ -5,7 +5,7 @@ r"""The continuous engine's rollout phase per chip for a `dapo-plan` row, withou
         --config.mesh=data=1,fsdp=-1,tensor=8            # + --default_layouts: the old boundary
 
 Takes `dapo-plan`'s flags (default config: configs/dapo_qwen2_5_32b.py), compiles only the
-continuous engine's chunk (`plan.compile_continuous_rollout`, libtpu for TPU targets) and
+continuous engine's chunk (`programs.compile_continuous_rollout`, libtpu for TPU targets) and
 prints the chunk's memory by part and the rollout phase per chip: the training state (its
 parameters and optimizer state per chip, from the lowered train step, not compiled) plus the
 chunk's peak, as in `dapo-plan`'s "rollout phase". `--default_layouts` compiles the chunk with
@@ -23,8 +23,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dapo_jax import libtpu_flags  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from dapo_jax import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.infra import libtpu_flags  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.planner import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.planner import programs as plan_programs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.planner import targets as plan_targets  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.infra import sharding as shd  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _default_layout_chunk(state, engine, *, graphdef, params, mesh, chunk_steps, max_admit):
@@ -47,29 +50,29 @@ def main() -> None:
   if not any(a == "--config" or a.startswith("--config=") for a in argv):
     argv = ["--config", os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py")] + argv
   fv = plan_lib._parse(argv)  # pylint: disable=protected-access
-  plan_lib.prepare_libtpu_env(fv.target)
+  plan_targets.prepare_libtpu_env(fv.target)
   config = plan_lib.configure(fv)
   libtpu_flags.apply(config)
-  target = plan_lib.parse_target(fv.target)
+  target = plan_targets.parse_target(fv.target)
   if target.analytic:
     raise SystemExit(f"{fv.target}: no compiler for this target on this host.")
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import engine_programs  # pylint: disable=g-import-not-at-top
-  mcfg = plan_lib.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(config)
   devices = list(target.devices)
-  train_mesh = plan_lib.shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
-  mesh = plan_lib.shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
+  train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+  mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
                                 devices=devices)
-  _, tstate, _, _ = plan_lib._train_program(config, mcfg, train_mesh)  # pylint: disable=protected-access
-  sh = plan_lib.shd.state_shardings(tstate, train_mesh, plan_lib.shd.TRAIN_RULES)
-  state_bytes = (plan_lib.shd.per_device_bytes(tstate.params, sh.params)
-                 + plan_lib.shd.per_device_bytes(tstate.opt_state, sh.opt_state))
+  _, tstate, _, _ = plan_programs._train_program(config, mcfg, train_mesh)  # pylint: disable=protected-access
+  sh = shd.state_shardings(tstate, train_mesh, shd.TRAIN_RULES)
+  state_bytes = (shd.per_device_bytes(tstate.params, sh.params)
+                 + shd.per_device_bytes(tstate.opt_state, sh.opt_state))
   if default_layouts:
     engine_programs.lower_chunk = _default_layout_chunk
   start = time.perf_counter()
   with attention.compile_for(target.kind):
-    r = plan_lib.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_lib.sampling_params(config, mcfg))
+    r = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
+                                            plan_programs.sampling_params(config, mcfg))
   gib = lambda b: round(b / 2**30, 2)
   phase = state_bytes + (r.get("peak") or 0)
   out = {"target": fv.target, "slots": r.get("slots"),

@@ -6,9 +6,10 @@ r"""Where a sampler call's time goes, by phase and piece, from one traced call o
 Traces one `dapo_jax.rollout.Sampler.generate` call (after warm-up) with `jax.profiler`, reads
 XLA:CPU's thunk events (each names its HLO instruction) and the optimised HLO of the sampler's
 program (dumped with ``--xla_dump_to``), and adds up the thunks' time by the named scope of the
-op they run (`dapo_jax.profiling`: prefill or decode step; dense weight matmuls, attention core,
-KV-cache write, RoPE, norms, LM head, sampling). Loops (``while``) are not counted themselves,
-their bodies' thunks are; what is left of the call's wall time is the executor's own time.
+op they run (`dapo_jax.infra.profiling`: prefill or decode step; dense weight matmuls,
+attention core, KV-cache write, RoPE, norms, LM head, sampling). Loops (``while``) are not
+counted themselves, their bodies' thunks are; what is left of the call's wall time is the
+executor's own time.
 Next to it, the same run's medians of the call and of the decode's matmul floor
 (`decode_throughput.matmul_bound_fn`, the decode's weight matmuls alone) and of the prefill's
 weight matmuls alone, so each piece reads against the matmul work the call cannot avoid.
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import table1_cpu  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import decode_throughput as dt  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from dapo_jax.models import create_model, get_preset  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from dapo_jax.profiling import PHASES, SCOPES  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from dapo_jax.infra.profiling import PHASES, SCOPES  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 _INSTR = re.compile(r"\s*(?:ROOT )?%(\S+) = .*?op_name=\"([^\"]*)\"")
 _LOOPS = ("while", "conditional", "call")

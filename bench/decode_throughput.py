@@ -46,7 +46,7 @@ from flax import nnx
 
 import dapo_jax
 from dapo_jax.models import Qwen2Config
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.rollout import Sampler, SamplingParams
 
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,

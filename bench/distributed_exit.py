@@ -8,7 +8,7 @@ Each pair is two processes of 2 CPU devices on 127.0.0.1 that start jax.distribu
 allgather and one sharded sum (gloo), print their result and exit. ``--through jax`` starts the
 runtime with ``jax.distributed.initialize`` alone, so JAX stops the coordinator's service right
 after the shutdown barrier; ``--through dapo_jax`` goes through
-``dapo_jax.distributed.maybe_initialize``, whose coordinator waits
+``dapo_jax.infra.distributed.maybe_initialize``, whose coordinator waits
 ``SERVICE_SHUTDOWN_GRACE_S`` first. A pair is bad when a process exits non-zero (a CI run once saw
 the coordinator abort in ``server.cc``: ``Check failed: queue.Pop() == nullptr``); the first lines
 of each bad pair's output are printed.
@@ -37,7 +37,7 @@ _WORKER = textwrap.dedent("""
       jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], 2,
                                  int(os.environ["JAX_PROCESS_ID"]))
     else:
-      from dapo_jax import distributed
+      from dapo_jax.infra import distributed
       assert distributed.maybe_initialize()
     import numpy as np, jax.numpy as jnp
     from jax.experimental import multihost_utils

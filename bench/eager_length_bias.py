@@ -22,7 +22,7 @@ import itertools
 
 import numpy as np
 
-from dapo_jax.dynamic_sampling import DynamicSampler, Group
+from dapo_jax.trainer.dynamic_sampling import DynamicSampler, Group
 
 
 def _lengths(rng: np.random.Generator, g: int, r_max: int) -> np.ndarray:

@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import logprob_gap_probes as probes_lib  # noqa: E402  # pylint: disable=wrong-import-position
 
-from dapo_jax import logprob_gap, logprobs  # noqa: E402
+from dapo_jax.trainer import logprob_gap  # noqa: E402
+from dapo_jax.models import logprobs  # noqa: E402
 from dapo_jax.models import attention, qwen2  # noqa: E402
 from dapo_jax.rollout import sampling  # noqa: E402
 

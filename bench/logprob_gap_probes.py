@@ -50,12 +50,12 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 import tiny_cpu  # noqa: E402  # pylint: disable=wrong-import-position
 
-from dapo_jax import logprob_gap, logprob_measure, run_setup  # noqa: E402
-from dapo_jax import sharding as shd  # noqa: E402
-from dapo_jax.generation import render_batch  # noqa: E402
-from dapo_jax.logprobs import chunked_token_stats, response_log_probs, token_log_probs  # noqa: E402
+from dapo_jax.trainer import logprob_gap, logprob_measure, run_setup  # noqa: E402
+from dapo_jax.infra import sharding as shd  # noqa: E402
+from dapo_jax.trainer.generation import render_batch  # noqa: E402
+from dapo_jax.models.logprobs import chunked_token_stats, response_log_probs, token_log_probs  # noqa: E402
 from dapo_jax.models import abstract_model, create_model, default_positions  # noqa: E402
-from dapo_jax.train_step import LogProbForward  # noqa: E402
+from dapo_jax.trainer.train_step import LogProbForward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results", "logprob_gap_probes.json")
 NUM_PROMPTS = 8  # a "full batch"

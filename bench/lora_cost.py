@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dapo_jax import sharding as shd
-from dapo_jax import train_step as ts
+from dapo_jax.infra import sharding as shd
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.models import cast_params, create_model, get_preset, lora
 from dapo_jax.rollout.sampler import Sampler

@@ -26,20 +26,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dapo_jax import plan as plan_lib  # noqa: E402  # pylint: disable=wrong-import-position
-from dapo_jax import plan_estimates as est  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax.planner import plan as plan_lib  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax.planner import programs as plan_programs  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax.planner import targets as plan_targets  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax.planner import plan_estimates as est  # noqa: E402  # pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "qwen25_1_5b_lora.py")
 GiB = 1024**3
 
 
-def analytic_target(spec: str) -> plan_lib.Target:
+def analytic_target(spec: str) -> plan_targets.Target:
   """``spec``'s target; a TPU one analytic (no libtpu compile: the GPU targets' estimate)."""
   if not spec.startswith("tpu:"):
-    return plan_lib.parse_target(spec)
+    return plan_targets.parse_target(spec)
   gen, topology = spec.split(":")[1:]
   chips = math.prod(int(x) for x in topology.split("x"))
-  return plan_lib.Target("tpu", f"{gen}:{topology}", chips,
+  return plan_targets.Target("tpu", f"{gen}:{topology}", chips,
                          int(est.TPU_HBM_GIB[gen] * GiB), None)
 
 
@@ -93,8 +95,8 @@ def rederive(path: str, config_file: str, overrides: tuple[str, ...],
       "--config", config_file, "--target", "cpu:1", *overrides]))
   rollout = plan["rollout"] if static else plan.get("continuous_rollout", plan["rollout"])
   state = plan["train"]["state_bytes"]
-  extra = est.lora_rollout_bytes(config, plan_lib.plan_model_config(config), plan["num_devices"],
-                                 rollout["parts"]["params"])
+  mcfg = plan_programs.plan_model_config(config)
+  extra = est.lora_rollout_bytes(config, mcfg, plan["num_devices"], rollout["parts"]["params"])
   peaks = dict(plan["phase_peaks"])
   if extra:
     peaks.update(reshard=state + sum(extra.values()),

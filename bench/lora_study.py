@@ -72,7 +72,7 @@ def run_one(results: str, group: str, rank: int, lr: float, seed: int, spec: t1.
 
 def _train(seed, spec, warm, workdir, extra):
   import subprocess  # pylint: disable=g-import-not-at-top
-  from dapo_jax.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
   cmd = [sys.executable, "-m", "dapo_jax.main", f"--config={t1.TINY}:dapo",
          f"--workdir={workdir}", f"--config.seed={seed}", f"--config.model.checkpoint={warm}",
          "--config.sft.steps=0", f"--config.num_steps={spec.steps}",

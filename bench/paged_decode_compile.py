@@ -21,8 +21,10 @@ import os
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from dapo_jax import plan as plan_lib  # noqa: E402
-from dapo_jax import plan_paged  # noqa: E402
+from dapo_jax.planner import plan as plan_lib  # noqa: E402
+from dapo_jax.planner import programs as plan_programs  # noqa: E402
+from dapo_jax.planner import targets as plan_targets  # noqa: E402
+from dapo_jax.planner import plan_paged  # noqa: E402
 from dapo_jax.models import get_preset  # noqa: E402
 
 
@@ -44,8 +46,8 @@ def main() -> None:
   if args.engine_chunk:
     engine_chunk(args)
     return
-  plan_lib.prepare_libtpu_env(f"tpu:{args.topology}")
-  device = plan_lib.tpu_devices(args.topology)[0]
+  plan_targets.prepare_libtpu_env(f"tpu:{args.topology}")
+  device = plan_targets.tpu_devices(args.topology)[0]
   mcfg = get_preset("qwen2.5-32b").replace(num_hidden_layers=args.layers, dtype="bfloat16",
                                            param_dtype="bfloat16", scan_layers=bool(args.scan))
   chip = plan_paged.per_chip_model(mcfg, args.tensor)
@@ -68,27 +70,27 @@ def main() -> None:
 
 
 def engine_chunk(args) -> None:
-  """`dapo-plan`'s paged chunk (`plan.compile_continuous_rollout`) for the 32B paper config on
+  """`dapo-plan`'s paged chunk (`programs.compile_continuous_rollout`) for the 32B paper config on
   v5p-64 (fsdp 4, tensor 8) at ``--layers`` layers, ``--pages`` pages per data shard."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   target = "tpu:v5p:2x4x4"
-  plan_lib.prepare_libtpu_env(target)
+  plan_targets.prepare_libtpu_env(target)
   flags = plan_lib._parse([  # pylint: disable=protected-access
       "--config", "configs/dapo_qwen2_5_32b.py", "--target", target,
       f"--config.rollout.max_concurrent_decodes={args.slots}",
       "--config.mesh=data=1,fsdp=-1,tensor=8", f"--config.rollout.attention_impl={args.impl}"])
   config = plan_lib.configure(flags)
-  tgt = plan_lib.parse_target(target)
-  mcfg = plan_lib.plan_model_config(config).replace(num_hidden_layers=args.layers,
+  tgt = plan_targets.parse_target(target)
+  mcfg = plan_programs.plan_model_config(config).replace(num_hidden_layers=args.layers,
                                                     scan_layers=bool(args.scan))
   mesh = shd.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 8)], devices=list(tgt.devices))
   spec = plan_paged.engine_spec(config, mcfg, "tpu", 8, 4, tgt.hbm_bytes, 0)
   spec = dataclasses.replace(spec, num_pages=args.pages)
   with attention.compile_for("tpu"):
-    c = plan_lib.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_lib.sampling_params(config, mcfg), spec)
+    c = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
+                                            plan_programs.sampling_params(config, mcfg), spec)
   gib = 2**30
   print(f"{args.impl} chunk, {args.layers} layers, scan {bool(args.scan)}, {args.slots} slots, "
         f"{args.pages} pages/shard: engine state {c['parts']['engine_state'] / gib:.2f} GiB, "

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dapo_jax import sharding as shd  # noqa: E402
+from dapo_jax.infra import sharding as shd  # noqa: E402
 from dapo_jax.models import create_model, get_preset  # noqa: E402
 from dapo_jax.rollout import continuous  # noqa: E402
 from tests import test_paged_engine as case  # noqa: E402

@@ -4,7 +4,7 @@ r"""libtpu compile time of the 32B train step, decoder layers unrolled vs scanne
     python bench/plan_compile_time.py --layers 8 --rounds 2
 
 For each layout (`model.scan_layers` false, true; alternating for `--rounds`), a fresh process
-lowers and compiles the train step `dapo-plan` compiles (`plan.compile_train_step`) for the
+lowers and compiles the train step `dapo-plan` compiles (`programs.compile_train_step`) for the
 target's TPU topology through libtpu on this host, and reports the compile's wall seconds, the
 process's CPU seconds, and the compiled step's peak bytes per chip. Needs libtpu
 (`pip install 'jax[tpu]'`); the persistent compilation cache is off, so every round compiles.
@@ -30,22 +30,25 @@ ROW = ["--config", os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py"),
 def child(scan: bool, layers: int, argv: list[str]) -> dict:
   """One compile in this process; returns its figures."""
   sys.path.insert(0, ROOT)
-  from dapo_jax import libtpu_flags  # pylint: disable=g-import-not-at-top
-  from dapo_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import libtpu_flags  # pylint: disable=g-import-not-at-top
+  from dapo_jax.planner import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.planner import programs as plan_programs  # pylint: disable=g-import-not-at-top
+  from dapo_jax.planner import targets as plan_targets  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   args = plan_lib._parse(argv)  # pylint: disable=protected-access
-  plan_lib.prepare_libtpu_env(args.target)
+  plan_targets.prepare_libtpu_env(args.target)
   config = plan_lib.configure(args)
   config.model.scan_layers = scan
   if layers:
     config.model.overrides = dict(config.model.get("overrides") or {}, num_hidden_layers=layers)
   libtpu_flags.apply(config)
-  target = plan_lib.parse_target(args.target)
-  mcfg = plan_lib.plan_model_config(config)
-  mesh = plan_lib.shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
+  target = plan_targets.parse_target(args.target)
+  mcfg = plan_programs.plan_model_config(config)
+  mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
   start = time.perf_counter()
   with attention.compile_for(target.kind):
-    train = plan_lib.compile_train_step(config, mcfg, mesh)
+    train = plan_programs.compile_train_step(config, mcfg, mesh)
   wall = time.perf_counter() - start
   usage = resource.getrusage(resource.RUSAGE_SELF)
   cpu = usage.ru_utime + usage.ru_stime

@@ -49,7 +49,7 @@ def spec_of(steps: int, sft_steps: int, eval_every: int) -> t1.Spec:
 def train_run(correction: str, seed: int, spec: t1.Spec, warm_start: str, workdir: str
               ) -> list[dict[str, Any]]:
   """One dapo-train run (resumes from ``workdir``); its metrics rows."""
-  from dapo_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
+  from dapo_jax.infra.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
   cmd = [sys.executable, "-m", "dapo_jax.main", f"--config={t1.TINY}:dapo",
          f"--workdir={workdir}", f"--config.seed={seed}", f"--config.model.dtype={DTYPE}",
          f"--config.model.checkpoint={warm_start}", "--config.sft.steps=0",

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import run_setup
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import run_setup
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, default_positions
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import table1_cpu  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from dapo_jax.train import train_and_evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
+from dapo_jax.trainer.train import train_and_evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 _TIMING = ("time/", "perf/")
 _DECODE = ("sampling/prompts_admitted", "sampling/gen_batches_admitted",

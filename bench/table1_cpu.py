@@ -209,8 +209,8 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   """The supervised warm start of configs/tiny_cpu.py for ``seed`` as a HF directory (this is
   what a dapo-train run does before RL, saved instead of kept in memory)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from dapo_jax import run_setup, sft  # pylint: disable=g-import-not-at-top
-  from dapo_jax.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup, sft  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
   config = tiny_config()
   config.seed, config.sft.steps = seed, sft_steps
@@ -260,7 +260,7 @@ def ensure_warm_start(results: str, seed: int, sft_steps: int) -> tuple[str, str
 def train_run(techniques: frozenset[str], seed: int, spec: Spec, warm_start: str,
               workdir: str) -> list[dict[str, Any]]:
   """One dapo-train run from the warm start (resumes from ``workdir``); its metrics rows."""
-  from dapo_jax.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
   base = tiny_config()
   cmd = [sys.executable, "-m", "dapo_jax.main", f"--config={TINY}:dapo", f"--workdir={workdir}",
          f"--config.seed={seed}", f"--config.model.checkpoint={warm_start}",

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dapo_jax import logprobs
-from dapo_jax import objective as obj
-from dapo_jax import train_step as ts
+from dapo_jax.models import logprobs
+from dapo_jax.trainer import objective as obj
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import abstract_model, get_preset
 
 GIB = 2.0 ** 30

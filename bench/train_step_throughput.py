@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.checkpoints import hf as hf_io
 from dapo_jax.models import create_model, default_positions, get_preset
 

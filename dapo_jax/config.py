@@ -2,6 +2,9 @@
 
 Config files in ``configs/`` start from ``default_config()`` and override fields; the CLI
 overrides leaves with ``--config.x=y``. Values follow docs/algorithm.md ("spec N" = its section N).
+
+One piece: the schema (`default_config`, every field with its default and comment) and the checks of
+its values (`validate`) sit together, so a field and the rule that checks it are read side by side.
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ from typing import Iterator
 
 import ml_collections
 
-from dapo_jax import batch_rules
-from dapo_jax.console_log import CONSOLE_MODES
-from dapo_jax.logging_writers import WANDB_MODES
+from dapo_jax.spec import batch_rules
+from dapo_jax.infra.console_log import CONSOLE_MODES
+from dapo_jax.infra.logging_writers import WANDB_MODES
 from dapo_jax.models import lora
 from dapo_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, Qwen2Config
 from dapo_jax.models.paged_attention import PAGED_IMPLS
 from dapo_jax.models.paged_kv import KV_CACHES
-from dapo_jax.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
-from dapo_jax.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
+from dapo_jax.trainer.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
+from dapo_jax.trainer.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
 
 ROLLOUT_ENGINES = ("static", "continuous")
 STOP_TOKENS = ("checkpoint_and_chat", "checkpoint")
@@ -174,17 +177,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.save_every = 10
   c.checkpoint.max_to_keep = 3
   c.checkpoint.async_save = True
-  # Storage outages (dapo_jax/run_files.py): a failed save is retried at the next one; this many
-  # failed in a row stop the run (one line naming the storage error).
+  # Storage outages (dapo_jax/infra/run_files.py): a failed save is retried at the next one;
+  # this many failed in a row stop the run (one line naming the storage error).
   c.checkpoint.max_consecutive_failed_saves = 3
   # How long a launch waits for the workdir's storage (gs://) to answer before it fails.
   c.checkpoint.storage_wait_s = 300.0
   # JAX's persistent compilation cache (a relaunch loads its programs instead of compiling):
   # "auto" = $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache; "off"; or a
-  # directory (local or gs://). dapo-eval and dapo-serve use it too (dapo_jax/compile_cache.py).
+  # directory (local or gs://). dapo-eval and dapo-serve use it too
+  # (dapo_jax/infra/compile_cache.py).
   c.compilation_cache_dir = "auto"
   # libtpu's windowed einsum (collective matmul) for all-gathers/reduce-scatters: off by default,
-  # as from fsdp 8 up its buffers stay live across all layers (dapo_jax/libtpu_flags.py).
+  # as from fsdp 8 up its buffers stay live across all layers (dapo_jax/infra/libtpu_flags.py).
   c.tpu_windowed_einsum = False
 
   # Device meshes as data, [(axis, size), ...] over ("data", "fsdp", "tensor"); one size may be
@@ -414,7 +418,7 @@ def _check_mesh(field: str, axes, bad) -> None:
 
 def _check_dcn(c: ml_collections.ConfigDict, bad) -> None:
   """``dcn_mesh``: "axis=slices,..." over axes of ``mesh``, slice counts >= 1."""
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   try:
     pairs = shd.parse_dcn(c.dcn_mesh)
   except (TypeError, ValueError):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from absl import flags
 
-from dapo_jax import cli
+from dapo_jax.spec import cli
 
 
 def _define(fv: flags.FlagValues) -> None:
@@ -32,7 +32,7 @@ def _define(fv: flags.FlagValues) -> None:
 
 
 def _setup_logging() -> None:
-  from dapo_jax import console_log  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
   console_log.configure_logging()  # stdout; third-party INFO chatter off
 
 
@@ -43,16 +43,16 @@ def main(argv: Sequence[str]) -> dict[str, float]:
     raise flags.Error("--workdir is required: a local directory or gs://bucket/run (a new one "
                       "starts a run, an existing one resumes it).")
   _setup_logging()
-  from dapo_jax import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
   libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
   distributed.maybe_initialize()
   # pylint: disable=g-import-not-at-top
   from dapo_jax import config as config_lib
-  from dapo_jax import run_config
-  from dapo_jax import run_files
+  from dapo_jax.spec import run_config
+  from dapo_jax.infra import run_files
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   from dapo_jax.data.records import DataFormatError
-  from dapo_jax.train import train_and_evaluate
+  from dapo_jax.trainer.train import train_and_evaluate
   # Past flag parsing only these are the user's to fix (a bad config value, a config change the
   # run cannot take, a missing bucket, a checkpoint of another model, a malformed data file) or
   # a storage outage past its retries (its own one line); any other error keeps its traceback.

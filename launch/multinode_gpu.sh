@@ -52,7 +52,7 @@ for v in coordinator nodes rank config workdir; do
 done
 [ -f "${config%%:*}" ] || { echo "multinode_gpu.sh: --config ${config%%:*}: no such file" \
                                  "(relative paths start at $PWD)" >&2; exit 2; }
-# dapo_jax.distributed reads these three variables and calls jax.distributed.initialize.
+# dapo_jax.infra.distributed reads these three variables and calls jax.distributed.initialize.
 env_vars=(JAX_COORDINATOR_ADDRESS="$coordinator" JAX_NUM_PROCESSES="$nodes"
           JAX_PROCESS_ID="$rank")
 cmd=(env "${env_vars[@]}" dapo-train --config "$config" --workdir "$workdir"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the launch scripts. dapo_preflight ROOT ARG...: python -m dapo_jax.launch_preflight
+# Sourced by the launch scripts. dapo_preflight ROOT ARG...: python -m dapo_jax.commands.launch_preflight
 # ARG... with the checkout at ROOT (its code, not an installed copy), in the first Python found:
 # $DAPO_PYTHON, the active virtualenv's, ROOT/.venv's, python3. Returns 2 when the launch is
 # refused or no Python is found (one line on stderr each).
@@ -22,5 +22,5 @@ dapo_preflight() {
   fi
   # The checks need no accelerator: the CPU backend keeps JAX from probing for one.
   PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu \
-    "$py" -m dapo_jax.launch_preflight "$@" || return 2
+    "$py" -m dapo_jax.commands.launch_preflight "$@" || return 2
 }

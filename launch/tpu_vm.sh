@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DAPO on a Cloud TPU VM slice: create the slice (or reuse it; a preempted one is recreated),
 # copy the code, make a Python 3.11+ environment on every worker, start the same dapo-train on
-# every worker. Checked locally first (dapo_jax/launch_preflight.py). Options: --help.
+# every worker. Checked locally first (dapo_jax/commands/launch_preflight.py). Options: --help.
 #   bash launch/tpu_vm.sh --name dapo-32b --zone us-east5-a --type v5p-128 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir gs://BUCKET/dapo_32b [-- --config.x=y]
 set -euo pipefail
@@ -135,7 +135,7 @@ esac
 
 # 2. The code: the tree as a tarball (no .git, .venv, workdirs), plus dapo_run.sh: the command
 # every worker runs. jax.distributed finds the other workers through the metadata server
-# (dapo_jax.distributed.maybe_initialize); the trainer resumes from --workdir by itself.
+# (dapo_jax.infra.distributed.maybe_initialize); the trainer resumes from --workdir by itself.
 venv_arg="\$HOME/dapo_venv"  # expanded on the worker
 [ -z "$venv" ] || venv_arg="$(printf '%q' "$venv")"
 stage="$(mktemp -d -t dapo_launch_XXXXXX)"

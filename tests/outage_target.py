@@ -26,7 +26,7 @@ def install(scale: float, marker: str | None) -> None:
   import asyncio
   import types
   from gcsfs import retry
-  from dapo_jax import run_files
+  from dapo_jax.infra import run_files
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   if scale != 1.0:
     real_sleep = asyncio.sleep

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import attention, create_model, get_preset
 from dapo_jax.models.kv_cache import KVCache
 from tests.hlo_checks import big_copies
@@ -209,7 +209,7 @@ def test_sampler_and_engine_prefill_through_the_kernel_decode_through_the_cache(
 def test_the_run_says_when_auto_attention_falls_back_to_xla(platform, dtype, prompt, response,
                                                             expect):
   from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   c = config_lib.default_config()
   c.data.max_prompt_length, c.rollout.max_response_length = prompt, response
   mcfg = get_preset("qwen2.5-0.5b", dtype=dtype, attention_impl="auto")

@@ -19,8 +19,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import run_setup
-from dapo_jax import train as train_lib
+from dapo_jax.trainer import run_setup
+from dapo_jax.trainer import train as train_lib
 from dapo_jax.data.records import MalformedRowError
 from dapo_jax.rewards.batch import RewardScorer
 from tests import dapo_rows

@@ -6,12 +6,12 @@ import types
 import numpy as np
 
 from dapo_jax import config as config_lib
-from dapo_jax import train
-from dapo_jax import trajectories as traj_lib
+from dapo_jax.trainer import train
+from dapo_jax.trainer import trajectories as traj_lib
 from dapo_jax.data import arithmetic
-from dapo_jax.dynamic_sampling import DynamicSampler, SamplingStats
-from dapo_jax.metrics import Timer
-from dapo_jax.run_spec import RunSpec
+from dapo_jax.trainer.dynamic_sampling import DynamicSampler, SamplingStats
+from dapo_jax.infra.metrics import Timer
+from dapo_jax.spec.run_spec import RunSpec
 
 G, P, R = 2, 3, 4
 # The sampler's log-prob of every token, by rollout step.

@@ -7,8 +7,8 @@ import sys
 import pytest
 from absl import flags
 
-from dapo_jax import cli
-from dapo_jax import plan as plan_lib
+from dapo_jax.spec import cli
+from dapo_jax.planner import plan as plan_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")

@@ -113,7 +113,7 @@ def _run(cmd, env, timeout=LAUNCH_TIMEOUT_S, cwd=ROOT) -> subprocess.CompletedPr
 
 _PROBE_WORKER = textwrap.dedent("""
     import json, sys
-    from dapo_jax import distributed
+    from dapo_jax.infra import distributed
     started = distributed.maybe_initialize()
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import multihost_utils
@@ -173,7 +173,7 @@ def test_maybe_initialize_finds_a_tpu_pod_through_the_metadata_server(tmp_path):
 
 def test_the_coordinator_stops_its_service_after_a_grace():
   """The wrapper JAX's exit-time shutdown calls: it waits, then stops the real service once."""
-  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
 
   class Service:
     stopped_at = None

@@ -17,7 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import PartitionSpec
 
 from dapo_jax import config as config_lib
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +87,7 @@ def test_hybrid_mesh_fsdp_across_slices_tensor_within():
 
 def test_multislice_devices_without_dcn_mesh_warn(caplog):
   devices = [SliceDevice(i, i // 4) for i in range(8)]
-  with caplog.at_level(logging.WARNING, logger="dapo_jax.sharding"):
+  with caplog.at_level(logging.WARNING, logger="dapo_jax.infra.sharding"):
     shd.device_grid([2, 4, 1], devices)
   assert "span 2 slices but config.dcn_mesh is empty" in caplog.text
 
@@ -126,7 +126,7 @@ def test_batch_sharding_refuses_a_batch_the_mesh_does_not_divide():
 def test_prompt_sharding_errors_on_rows_and_warns_on_prefill(caplog):
   mesh = shd.make_mesh([("data", 1), ("fsdp", 8), ("tensor", 1)])
   # 12 prompts x 16 samples: the 192 decode rows split, only the prefill is replicated.
-  with caplog.at_level(logging.WARNING, logger="dapo_jax.sharding"):
+  with caplog.at_level(logging.WARNING, logger="dapo_jax.infra.sharding"):
     sh = shd.prompt_sharding(mesh, shd.SAMPLE_RULES, 12, 16)
   assert sh.is_fully_replicated
   assert "12 prompts per rollout call do not split" in caplog.text and "8 or 16" in caplog.text

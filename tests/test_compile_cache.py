@@ -1,5 +1,6 @@
 """Compile once: a relaunch on the same workdir loads every program from the persistent
-compilation cache (``dapo_jax/compile_cache.py``) and trains exactly as the first launch did."""
+compilation cache (``dapo_jax/infra/compile_cache.py``) and trains exactly as the first launch
+did."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dapo_jax import compile_cache
+from dapo_jax.infra import compile_cache
 from tests.tiny_run_flags import TINY_RUN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -92,7 +92,8 @@ def test_bad_values_name_the_field(field, value, match):
 def test_verl_warmup_and_micro_batch_loss_are_run_config_keys():
   """Issue 17 D3: both of verl's choices (docs/algorithm.md table) reach the compiled update
   from the command line; bad values name the field."""
-  from dapo_jax import cli, run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "dapo_qwen2_5_32b.py")
   fv = cli.parse("dapo-train", "", [f"--config={path}", "--config.optim.warmup_style=verl",

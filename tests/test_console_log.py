@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import console_log as C
-from dapo_jax.run_spec import RunSpec
+from dapo_jax.infra import console_log as C
+from dapo_jax.spec.run_spec import RunSpec
 
 STEP = {
     "train/acc_mean": 0.25, "train/reward_mean": -0.5, "sampling/kept_ratio": 0.75,

@@ -1,11 +1,11 @@
-"""dapo_jax.diagnostics: every number checked against a case worked out by hand."""
+"""dapo_jax.trainer.diagnostics: every number checked against a case worked out by hand."""
 
 import types
 
 import numpy as np
 import pytest
 
-from dapo_jax import diagnostics as D
+from dapo_jax.trainer import diagnostics as D
 
 
 def test_distinct_answers_counts_normalised_answers_and_no_answer_once():

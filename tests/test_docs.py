@@ -263,7 +263,7 @@ def _typed_dummy(value) -> str | None:
 
 def _parse_entry(name: str, args: list[str], default_config: str | None = None):
   """`cli.parse` of a dapo-* command, placeholders replaced by values of the right type."""
-  from dapo_jax import cli  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
   module, workdir_default = _entry(name)
   fv = _own_flags(name)
   args = _normalize(args, fv)
@@ -297,7 +297,7 @@ def _parse_entry(name: str, args: list[str], default_config: str | None = None):
 
 
 def _config_of(name: str, args: list[str], default_config: str | None):
-  from dapo_jax import cli  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
   module, workdir_default = _entry(name)
   base = [a for a in _normalize(args, _own_flags(name)) if a.startswith("--config=")]
   if not base and default_config:

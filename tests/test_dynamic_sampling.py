@@ -1,4 +1,4 @@
-"""Tests of dapo_jax.dynamic_sampling (spec section 5)."""
+"""Tests of dapo_jax.trainer.dynamic_sampling (spec section 5)."""
 
 import dataclasses
 import itertools
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from dapo_jax import dynamic_sampling as ds
-from dapo_jax.dynamic_sampling import DynamicSampler, Group
+from dapo_jax.trainer import dynamic_sampling as ds
+from dapo_jax.trainer.dynamic_sampling import DynamicSampler, Group
 
 
 @dataclasses.dataclass

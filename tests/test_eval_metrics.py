@@ -2,7 +2,7 @@
 
 import pytest
 
-from dapo_jax import eval_metrics as E
+from dapo_jax.trainer import eval_metrics as E
 
 
 @pytest.mark.parametrize("c,k,want", [

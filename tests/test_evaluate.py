@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import evaluate
+from dapo_jax.trainer import evaluate
 from dapo_jax.data import arithmetic
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.tokenizers import CharTokenizer
@@ -153,7 +153,8 @@ def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_p
   import logging  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   from configs import dapo_qwen2_5_32b  # pylint: disable=g-import-not-at-top
-  from dapo_jax import console_log, train  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import train
   from dapo_jax.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
   records = _eval_rows(source, tmp_path)
   c = dapo_qwen2_5_32b.get_config()

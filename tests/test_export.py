@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import export
-from dapo_jax import policy as policy_lib
+from dapo_jax.commands import export
+from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.tokenizers import CharTokenizer
 from tests import test_train_e2e
 
@@ -46,7 +46,7 @@ def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch,
   assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [
       "Qwen2ForCausalLM"]
 
-  from dapo_jax import cli  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
   config = cli.get_config(run_dir)
   step1 = policy_lib.load_policy(config, workdir=run_dir, step=1)
   step2 = policy_lib.load_policy(config, workdir=run_dir, step=2)
@@ -63,7 +63,7 @@ def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch,
 def test_eval_on_the_run_names_step_dataset_dtype_and_mesh(run_dir, tmp_path, capsys):
   """Issue 27 (8), on this module's run: ``dapo-eval --workdir`` without ``--step`` names the
   step it found, the checkpoint directory, the dataset, the dtypes and the mesh."""
-  from dapo_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import evaluate  # pylint: disable=g-import-not-at-top
   out = tmp_path / "eval.json"
   evaluate.main([f"--workdir={run_dir}", "--config.model.dtype=bfloat16",
                  "--config.rollout_mesh=data=2,tensor=4", "--config.eval.max_examples=2",

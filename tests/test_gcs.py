@@ -21,11 +21,12 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
-from dapo_jax import compile_cache
-from dapo_jax import curves
-from dapo_jax import metrics
-from dapo_jax import run_files
+from dapo_jax.infra import compile_cache
+from dapo_jax.infra import curves
+from dapo_jax.infra import metrics
+from dapo_jax.infra import run_files
 from dapo_jax.checkpoints import orbax as ock
+from dapo_jax.checkpoints import orbax_read
 from tests.gcs_emulator import GcsEmulator
 from tests.test_orbax_checkpoint import _restore_small as _restore
 from tests.test_orbax_checkpoint import _small_state as _state
@@ -317,7 +318,7 @@ def test_outage_past_the_retries_fails_loudly(gcs, bucket, fast_gcsfs_backoff):
   try:
     with pytest.raises(ock.CheckpointIOError, match="step 2 .* 2 attempts") as info:
       _restore(ck)
-    assert ock.is_io_error(info.value.__cause__)
+    assert orbax_read.is_io_error(info.value.__cause__)
   finally:
     gcs.start()
   ck.close()
@@ -326,18 +327,18 @@ def test_outage_past_the_retries_fails_loudly(gcs, bucket, fast_gcsfs_backoff):
 
 
 def test_is_io_error_classification():
-  assert ock.is_io_error(ConnectionRefusedError())
-  assert ock.is_io_error(PermissionError())
-  assert ock.is_io_error(ValueError("DEADLINE_EXCEEDED: reading gs://b/x"))
-  assert not ock.is_io_error(FileNotFoundError("gone"))
-  assert not ock.is_io_error(ValueError("OUT_OF_RANGE: Requested byte range [0, 10) is not "
-                                        "valid for value of size 5"))
-  assert not ock.is_io_error(ock.CorruptCheckpointError("fingerprint"))
+  assert orbax_read.is_io_error(ConnectionRefusedError())
+  assert orbax_read.is_io_error(PermissionError())
+  assert orbax_read.is_io_error(ValueError("DEADLINE_EXCEEDED: reading gs://b/x"))
+  assert not orbax_read.is_io_error(FileNotFoundError("gone"))
+  assert not orbax_read.is_io_error(ValueError("OUT_OF_RANGE: Requested byte range [0, 10) is not "
+                                               "valid for value of size 5"))
+  assert not orbax_read.is_io_error(ock.CorruptCheckpointError("fingerprint"))
   try:
     try:
       raise TimeoutError("read timed out")
     except TimeoutError as inner:
       raise Exception("Encountered error while reading array index") from inner
   except Exception as outer:  # pylint: disable=broad-except
-    assert ock.is_io_error(outer)  # the cause decides
-  assert not ock.is_io_error(json.JSONDecodeError("x", "doc", 0))
+    assert orbax_read.is_io_error(outer)  # the cause decides
+  assert not orbax_read.is_io_error(json.JSONDecodeError("x", "doc", 0))

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, get_preset
-from dapo_jax.train import train_and_evaluate
+from dapo_jax.trainer.train import train_and_evaluate
 from tests.test_train_e2e import _small_config
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")

@@ -211,7 +211,7 @@ def test_misshaped_tensor_is_named(ckpt, tmp_path):
 
 @layouts
 def test_load_straight_into_sharded_layout(ckpt, scan):
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   mesh = shd.make_mesh([("data", 1), ("fsdp", 4), ("tensor", 2)])
   model = dapo_jax.load_pretrained(ckpt, mesh=mesh, scan_layers=scan)
   if scan:  # [2 layers, 64, 96]: the layer axis unsharded

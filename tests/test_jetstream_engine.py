@@ -16,7 +16,7 @@ from flax import nnx  # pylint: disable=g-import-not-at-top
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
 
 import dapo_jax  # pylint: disable=g-import-not-at-top
-from dapo_jax import serve  # pylint: disable=g-import-not-at-top
+from dapo_jax.commands import serve  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout import jetstream_engine as je  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.jetstream_api import token_utils  # pylint: disable=g-import-not-at-top
 from dapo_jax.rollout.sampler import generate  # pylint: disable=g-import-not-at-top
@@ -159,7 +159,7 @@ def test_served_by_jetstream_orchestrator_over_grpc(ckpt, model):
 
 
 def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
-  from dapo_jax import cli  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints.orbax import TrainCheckpointer  # pylint: disable=g-import-not-at-top
   _, params, _ = nnx.split(model, nnx.Param, ...)
   workdir = tmp_path / "run"
@@ -172,7 +172,7 @@ def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
   run_config.model.scan_layers = False  # the layout `model` (and so the saved step) has
   (workdir / "config.json").write_text(run_config.to_json_best_effort())
   fv = serve.parse_args([f"--workdir={workdir}", "--config.mesh=data=4,tensor=2"])
-  from dapo_jax import policy  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import policy  # pylint: disable=g-import-not-at-top
   restored, _ = serve.load_model(fv.config, workdir=fv.workdir,
                                  mesh=policy.sampling_mesh(fv.config))
   q = restored.layers[0].self_attn.q_proj.kernel.value

@@ -1,6 +1,6 @@
 """Launch scripts parse (bash -n, shellcheck when installed), explain themselves (--help), refuse
-a bad launch with one line before any cloud call (dapo_jax/launch_preflight.py) and print their
-dry runs.
+a bad launch with one line before any cloud call (dapo_jax/commands/launch_preflight.py) and
+print their dry runs.
 
 The preflight imports JAX (about 3 s of CPU): the tests that reach it are few."""
 

@@ -9,8 +9,8 @@ import ml_collections
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import libtpu_flags
-from dapo_jax import plan as plan_lib
+from dapo_jax.infra import libtpu_flags
+from dapo_jax.planner import plan as plan_lib
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 ALL_GATHER, REDUCE_SCATTER = libtpu_flags.WINDOWED_EINSUM_OFF
@@ -61,7 +61,8 @@ def test_dapo_train_sets_the_options_before_the_backend_starts(tmp_path):
   """The trainer's entry point sets the variable before `distributed.maybe_initialize` (which
   runs before anything asks JAX for devices)."""
   code = ("import os, sys\n"
-          "from dapo_jax import distributed, main\n"
+          "from dapo_jax import main\n"
+          "from dapo_jax.infra import distributed\n"
           "def stop():\n"
           "  from jax._src import xla_bridge as xb\n"
           "  print('ENV', os.environ.get('LIBTPU_INIT_ARGS'), xb.backends_are_initialized())\n"

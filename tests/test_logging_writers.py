@@ -13,9 +13,9 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from dapo_jax import config as config_lib
-from dapo_jax import logging_writers as W
-from dapo_jax import metrics as M
-from dapo_jax.run_spec import RunSpec
+from dapo_jax.infra import logging_writers as W
+from dapo_jax.infra import metrics as M
+from dapo_jax.spec.run_spec import RunSpec
 
 
 @pytest.fixture(name="offline_wandb")
@@ -147,14 +147,14 @@ def test_tiny_run_logs_lines_samples_and_wandb_rows(tmp_path, offline_wandb, cap
   """The trainer's wiring: non-terminal lines every `log_every` steps, samples every
   `samples_every`, and the same scalars in metrics.jsonl and the wandb run."""
   from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
-  from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
   caplog.set_level(logging.INFO)
   c = _small_config(**{"num_steps": 3, "log_every": 2, "num_sample_texts": 1,
                        "logging.console": "lines", "logging.samples_every": 2,
                        "logging.wandb.enable": True, "logging.wandb.mode": "offline",
                        "logging.wandb.project": "dapo_test"})
   train_and_evaluate(c, str(tmp_path / "run"))
-  msgs = [r.getMessage() for r in caplog.records if r.name == "dapo_jax.console_log"]
+  msgs = [r.getMessage() for r in caplog.records if r.name == "dapo_jax.infra.console_log"]
   steps = [m.split(" |")[0] for m in msgs if m.startswith("step ")]
   assert steps == ["step 2/3", "step 3/3"]
   line = next(m for m in msgs if m.startswith("step 2/3"))

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import logprob_gap_probes as probes_lib  # noqa: E402  # pylint: disable=wrong-import-position
 
-from dapo_jax import logprob_gap  # noqa: E402  # pylint: disable=wrong-import-position
+from dapo_jax.trainer import logprob_gap  # noqa: E402  # pylint: disable=wrong-import-position
 
 # fp32 log-probs near -4 are 4.8e-7 apart (one ULP); every fp32 probe measured <= 2 ULP
 # (9.54e-7, bench/results/logprob_gap_probes.json, tiny_cpu model). 4 ULP leaves margin.
@@ -93,7 +93,7 @@ def test_one_formula_is_shape_invariant_and_exact_in_value_and_gradient():
   log_softmax at the target to float32 rounding, and its gradient is onehot - softmax."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dapo_jax.logprobs import fixed_order_sum, token_log_probs  # pylint: disable=import-outside-toplevel
+  from dapo_jax.models.logprobs import fixed_order_sum, token_log_probs  # pylint: disable=import-outside-toplevel
   z = jax.random.normal(jax.random.key(0), (3, 16, 151), jnp.float32) * 4  # V not a power of 2
   t = jax.random.randint(jax.random.key(1), (3, 16), 0, 151)
   chunk = np.asarray(jax.jit(token_log_probs)(z, t))

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dapo_jax import config as config_lib
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, get_preset, lora
 
 B, P, R = 8, 4, 6
@@ -78,7 +78,7 @@ def test_fresh_adapters_leave_the_model_unchanged_and_train_alone(scan=True):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _logp_jit(graphdef, state, batch):
-  from dapo_jax.logprobs import response_log_probs  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models.logprobs import response_log_probs  # pylint: disable=g-import-not-at-top
   pos = ts.default_positions(batch.attention_mask)
   return response_log_probs(nnx.merge(graphdef, state), batch.input_ids, batch.attention_mask,
                             pos, R)[0]
@@ -131,7 +131,7 @@ def test_an_adapter_update_reaches_both_samplers():
   continuous engine's log-probs are the adapted policy's (the training forward's of the same
   tokens), not the base's (the KL reference: zero adapters). Only adapters move per step: the
   base stays resident in the rollout layout and the merge there has no collectives."""
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
@@ -191,9 +191,9 @@ def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path, monk
   bit for bit, the reference is the base (nothing written); dapo-eval, dapo-serve and
   dapo-export read the run on its base, and refuse another base in one line, as a resume does."""
   import shutil  # pylint: disable=g-import-not-at-top
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
-  from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
-  from dapo_jax import curves  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import curves  # pylint: disable=g-import-not-at-top
   from tests.test_train_e2e import _params, _small_config  # pylint: disable=g-import-not-at-top
   # Time: every launch shares one compile cache, and none draws curves.png (seconds of CPU
   # each; test_train_e2e checks it).
@@ -227,9 +227,10 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   base's."""
   import json  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
-  from dapo_jax import evaluate, export, run_setup  # pylint: disable=g-import-not-at-top
-  from dapo_jax import policy as policy_lib  # pylint: disable=g-import-not-at-top
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import evaluate, run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.commands import export
+  from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.weights import MergedRolloutWeights  # pylint: disable=g-import-not-at-top
   pol = policy_lib.load_policy(config, workdir=workdir, mesh=policy_lib.sampling_mesh(config))
   graphdef, base, _, restored, step = policy_lib.lora_parts(
@@ -274,8 +275,9 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
 def _check_other_base_is_refused(config, workdir):
   """A resume, dapo-eval and dapo-serve on another base (an HF directory, ``config``'s) than the
   adapters trained on (the preset at seed 0): one line each, naming both bases."""
-  from dapo_jax import evaluate, serve  # pylint: disable=g-import-not-at-top
-  from dapo_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import evaluate  # pylint: disable=g-import-not-at-top
+  from dapo_jax.commands import serve
+  from dapo_jax.trainer.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
   other = config.model.checkpoint
   launches = {
       "resume": lambda: train_and_evaluate(config, workdir,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from dapo_jax import metrics as M
-from dapo_jax import curves
+from dapo_jax.infra import metrics as M
+from dapo_jax.infra import curves
 
 
 def _lines(path):

@@ -53,11 +53,11 @@ def _worker(workdir: str) -> None:
   """One process of a run: fake verdicts (an untrained policy is never right) so that dynamic
   sampling has mixed groups to keep and uniform ones to drop."""
   sys.path.insert(0, ROOT)
-  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   import jax  # pylint: disable=g-import-not-at-top
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
-  from dapo_jax import train  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import train  # pylint: disable=g-import-not-at-top
   scored = []
 
   class HashVerdictScorer(run_setup.RewardScorer):

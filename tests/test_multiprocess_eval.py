@@ -24,10 +24,11 @@ ARGS = ["--config.data.eval=arithmetic", "--config.data.arithmetic.num_eval=8",
 
 def _worker(ckpt: str, out: str) -> None:
   sys.path.insert(0, ROOT)
-  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   import jax  # pylint: disable=g-import-not-at-top
-  from dapo_jax import evaluate, policy, run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import evaluate, run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import policy
   from dapo_jax.rewards import batch  # pylint: disable=g-import-not-at-top
   scored = []
   real_call = batch.RewardScorer.__call__

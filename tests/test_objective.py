@@ -1,4 +1,4 @@
-"""Tests of dapo_jax.objective against the closed forms of spec sections 3-4."""
+"""Tests of dapo_jax.trainer.objective against the closed forms of spec sections 3-4."""
 
 import math
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import objective as obj
+from dapo_jax.models import logprobs
+from dapo_jax.trainer import objective as obj
 
 MODES = obj.LOSS_AGG_MODES
 
@@ -353,14 +354,14 @@ def test_abs_kl_gradient_is_sign_of_the_difference_and_zero_at_equality():
 def test_entropy_from_logits_stable_and_correct():
   z = np.random.default_rng(0).normal(size=(3, 7)).astype(np.float32)
   p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
-  np.testing.assert_allclose(obj.entropy_from_logits(z),
+  np.testing.assert_allclose(logprobs.entropy_from_logits(z),
                              -(p * np.log(p)).sum(-1), rtol=1e-5)
   # A huge common offset changes nothing (naive exp would overflow).
-  np.testing.assert_allclose(obj.entropy_from_logits(z + 1e4),
-                             obj.entropy_from_logits(z), atol=1e-2)
-  assert float(obj.entropy_from_logits(jnp.zeros(50))) == pytest.approx(
+  np.testing.assert_allclose(logprobs.entropy_from_logits(z + 1e4),
+                             logprobs.entropy_from_logits(z), atol=1e-2)
+  assert float(logprobs.entropy_from_logits(jnp.zeros(50))) == pytest.approx(
       math.log(50), rel=1e-6)
-  assert np.isfinite(obj.entropy_from_logits(jnp.array([0.0, -1e30]))).all()
+  assert np.isfinite(logprobs.entropy_from_logits(jnp.array([0.0, -1e30]))).all()
 
 
 def test_overlong_filter_zeros_truncated_rows():

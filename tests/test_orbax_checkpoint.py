@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.checkpoints import orbax as ock
 from dapo_jax.models import abstract_model, get_preset
 

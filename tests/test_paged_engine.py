@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.rollout import continuous
 from dapo_jax.rollout import slot_programs as prog
 from dapo_jax.rollout.sampling import SamplingParams

@@ -314,9 +314,9 @@ def test_gpu_kernel_in_interpret_mode_matches_reference():
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'jax[tpu]')")
 def test_ragged_kernel_compiles_for_tpu():
-  from dapo_jax import plan  # pylint: disable=g-import-not-at-top
-  plan.prepare_libtpu_env("tpu:v5p:2x2x1")
-  device = plan.tpu_devices("v5p:2x2x1")[0]
+  from dapo_jax.planner import targets as plan_targets  # pylint: disable=g-import-not-at-top
+  plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1")
+  device = plan_targets.tpu_devices("v5p:2x2x1")[0]
   n, h, kh, e, p, t, m = 8, 16, 8, 128, 64, 16, 8
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

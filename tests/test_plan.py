@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import plan as plan_lib
-from dapo_jax import plan_estimates as plan_est
-from dapo_jax import run_setup
+from dapo_jax.planner import plan as plan_lib
+from dapo_jax.planner import programs as plan_programs
+from dapo_jax.planner import report as plan_report
+from dapo_jax.planner import targets as plan_targets
+from dapo_jax.infra import sharding as shd
+from dapo_jax.models import abstract_model
+from dapo_jax.planner import plan_estimates as plan_est
+from dapo_jax.trainer import run_setup
 from dapo_jax.models import create_model
 from dapo_jax.rollout import continuous
-from dapo_jax.train_step import TrainBatch, TrainStep, init_train_state
+from dapo_jax.trainer.train_step import TrainBatch, TrainStep, init_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -36,7 +41,7 @@ def test_layers_flag_on_a_config_without_overrides():
   config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "cpu:8",
       "--layers", "4"]))
-  cfg = plan_lib.plan_model_config(config)
+  cfg = plan_programs.plan_model_config(config)
   assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.scan_layers) == (4, 5120, True)
 
 
@@ -44,12 +49,12 @@ def test_layers_flag_on_a_config_without_overrides():
 def tiny_plan():
   """A 2-layer tiny config's plan on 8 CPU devices, with the estimate's programs compiled."""
   config = plan_lib.configure(_tiny_args("--layers", "2"))
-  return config, plan_lib.make_plan(config, plan_lib.parse_target("cpu:8"), estimate=True)
+  return config, plan_lib.make_plan(config, plan_targets.parse_target("cpu:8"), estimate=True)
 
 
 def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
   config, plan = tiny_plan
-  assert plan_lib.plan_model_config(config).num_hidden_layers == 2
+  assert plan_programs.plan_model_config(config).num_hidden_layers == 2
   train = plan["train"]
   # The plan's memory is XLA's own analysis of the program it compiled ...
   mem = train["memory"]
@@ -61,7 +66,7 @@ def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
 
   # The same numbers as the step the trainer compiles from real, sharded arrays.
   mesh = run_setup.build_mesh(config)
-  mcfg = plan_lib.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(config)
   tcfg = run_setup.train_config(config)
   graphdef, state = init_train_state(create_model(mcfg, mesh=mesh), tcfg, mesh)
   rows, r = config.optim.mini_batch_size * config.rollout.n, config.rollout.max_response_length
@@ -89,7 +94,7 @@ def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
       nnx.split(create_model(mcfg))[0], num_slots=config.rollout.max_concurrent_decodes,
       mesh=mesh, max_prefill_length=config.data.max_prompt_length)
   stream = sampler.open_stream(nnx.split(create_model(mcfg))[1],
-                               params=plan_lib.sampling_params(config, mcfg),
+                               params=plan_programs.sampling_params(config, mcfg),
                                num_samples=config.rollout.n, key=jax.random.key(0))
   engine_bytes = sum(x.addressable_shards[0].data.nbytes
                      for x in jax.tree.leaves(stream._engine))  # pylint: disable=protected-access
@@ -114,7 +119,7 @@ def test_static_decode_steps_follow_the_samplers_loops():
   config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
       "--config.optim.micro_batch_size=8"]))
-  mcfg = plan_lib.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(config)
   miss = plan_est.uncounted_flops(config, mcfg, 64, splash=True, logit_chunk_size=512)
   head = 39 * 512 * 2.0 * mcfg.vocab_size * 5120 / 64
   attn = 64 * 2.0 * 40 * 128 * 22528**2 / 64
@@ -176,8 +181,8 @@ def test_step_time_estimate_by_hand(tiny_plan):
   partial = plan_est.step_estimate(config, broken, chip)
   assert partial["missing"] == ["old_logprob"] and partial["step_seconds"] is None
   assert partial["phases"]["update"] == e["phases"]["update"]
-  assert "old log-probs" in "\n".join(plan_lib.format_estimate(broken | {"estimate": partial}))
-  text = "\n".join(plan_lib.format_estimate(plan | {"estimate": e}))
+  assert "old log-probs" in "\n".join(plan_report.format_estimate(broken | {"estimate": partial}))
+  text = "\n".join(plan_report.format_estimate(plan | {"estimate": e}))
   for phase in ("rollout (static sampler)", "old log-probs", "updates",
                 "rollout (continuous engine)", "ESTIMATE", "MFU"):
     assert phase in text, text
@@ -189,13 +194,13 @@ def test_estimate_costs_count_every_layer_of_a_scanned_model():
   full unrolled model's (3 layers here), scanned or not."""
   config = plan_lib.configure(_tiny_args("--layers", "3"))
   mesh = run_setup.build_mesh(config)
-  unrolled = plan_lib.plan_model_config(config).replace(scan_layers=False)
+  unrolled = plan_programs.plan_model_config(config).replace(scan_layers=False)
   scanned = unrolled.replace(scan_layers=True)
-  full = plan_lib.compile_train_step(config, unrolled, mesh)
-  loop = plan_lib.compile_train_step(config, scanned, mesh)
+  full = plan_programs.compile_train_step(config, unrolled, mesh)
+  loop = plan_programs.compile_train_step(config, scanned, mesh)
   assert loop["flops_compiled"] < 0.8 * full["flops_compiled"]
   est = plan_lib._costs_at_depth(  # pylint: disable=protected-access
-      plan_lib.compile_train_cost, mesh, config=config, mcfg=scanned)
+      plan_programs.compile_train_cost, mesh, config=config, mcfg=scanned)
   assert est["num_micro_batches"] == full["num_micro_batches"]
   assert est["cost"]["flops"] == pytest.approx(full["flops_compiled"], rel=0.02)
   assert est["cost"]["bytes"] == pytest.approx(full["bytes_compiled"], rel=0.1)
@@ -250,11 +255,11 @@ def test_gpu_plan_is_an_analytic_estimate(capsys):
 
 def test_targets_fail_with_a_fix():
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
-    plan_lib.parse_target("cpu:64")
+    plan_targets.parse_target("cpu:64")
   with pytest.raises(ValueError, match="Unknown TPU generation"):
-    plan_lib.parse_target("tpu:v9:2x2")
+    plan_targets.parse_target("tpu:v9:2x2")
   with pytest.raises(ValueError, match="gpu:<"):
-    plan_lib.parse_target("gpu:h100")
+    plan_targets.parse_target("gpu:h100")
 
 
 def _libtpu_missing() -> str | None:
@@ -272,7 +277,7 @@ def test_tpu_plan_compiles_for_a_topology_on_this_host():
       "--config.data.max_prompt_length=64"])
   config = plan_lib.configure(args)
   config.model.overrides = dict(num_hidden_layers=2)
-  plan = plan_lib.make_plan(config, plan_lib.parse_target(args.target))
+  plan = plan_lib.make_plan(config, plan_targets.parse_target(args.target))
   assert plan["num_devices"] == 4 and plan["fits"] is True
   assert plan["attention"] == "splash"  # 64 + 64 tokens: the TPU kernel, compiled by libtpu
   mem, p = plan["train"]["memory"], plan["train"]["parts"]
@@ -304,25 +309,25 @@ def test_analytic_rates_reproduce_the_compiles_they_were_fitted_to(topology, mes
       "--config", os.path.join(CONFIGS, "dapo_qwen2_5_32b.py"), "--target", "gpu:h100:1x1",
       f"--config.mesh={mesh}", f"--config.optim.micro_batch_size={micro}"]))
   chips = int(np.prod([int(x) for x in topology.split(":")[1].split("x")]))
-  mem = plan_est.analytic_memory(config, plan_lib.plan_model_config(config), chips)
+  mem = plan_est.analytic_memory(config, plan_programs.plan_model_config(config), chips)
   estimate = mem["train"]["parts"]["activations_and_temp"] / 2**30
   assert abs(estimate - compiled_gib) <= 0.1 * compiled_gib, (estimate, compiled_gib)
 
 
 def test_libtpu_compile_env_fills_only_what_the_user_left_unset(monkeypatch):
-  env = plan_lib.libtpu_compile_env("tpu:v5p:2x2x1")
+  env = plan_targets.libtpu_compile_env("tpu:v5p:2x2x1")
   assert env == {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8",
                  "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}
-  assert plan_lib.libtpu_compile_env("tpu:v5e:4x4")["TPU_ACCELERATOR_TYPE"] == "v5litepod-16"
-  assert plan_lib.libtpu_compile_env("gpu:h100:1x8") == {}
-  monkeypatch.setattr(plan_lib, "_has_local_tpu", lambda: False)
+  assert plan_targets.libtpu_compile_env("tpu:v5e:4x4")["TPU_ACCELERATOR_TYPE"] == "v5litepod-16"
+  assert plan_targets.libtpu_compile_env("gpu:h100:1x8") == {}
+  monkeypatch.setattr(plan_targets, "_has_local_tpu", lambda: False)
   environ = {"TPU_ACCELERATOR_TYPE": "v4-32"}  # the user's value stays
-  added = plan_lib.prepare_libtpu_env("tpu:v5p:2x2x1", environ)
+  added = plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1", environ)
   assert environ["TPU_ACCELERATOR_TYPE"] == "v4-32" and "TPU_ACCELERATOR_TYPE" not in added
   assert environ["TPU_WORKER_HOSTNAMES"] == "localhost"
-  monkeypatch.setattr(plan_lib, "_has_local_tpu", lambda: True)  # a TPU VM: libtpu's own
+  monkeypatch.setattr(plan_targets, "_has_local_tpu", lambda: True)  # a TPU VM: libtpu's own
   environ = {}
-  assert plan_lib.prepare_libtpu_env("tpu:v5p:2x2x1", environ) == {} and environ == {}
+  assert plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1", environ) == {} and environ == {}
 
 
 @pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
@@ -332,7 +337,7 @@ def test_plan_on_a_cpu_host_opens_without_libtpu_start_up_errors(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
   env.update(JAX_PLATFORMS="", XLA_FLAGS="", PYTHONPATH=ROOT)
   proc = subprocess.run(
-      [sys.executable, "-c", "from dapo_jax import plan; plan.run()",
+      [sys.executable, "-c", "from dapo_jax.planner import plan; plan.run()",
        "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
        "--layers=1", "--config.rollout.max_response_length=64",
        "--config.reward.overlong_buffer_len=16", "--config.data.max_prompt_length=64"],
@@ -375,16 +380,16 @@ def test_tpu_continuous_chunk_takes_the_engine_state_in_the_compilers_layout():
       "--config.data.max_prompt_length=64", "--config.rollout.max_concurrent_decodes=64"])
   config = plan_lib.configure(args)
   config.model.overrides = dict(num_hidden_layers=2)
-  target = plan_lib.parse_target(args.target)
-  mcfg = plan_lib.plan_model_config(config)
+  target = plan_targets.parse_target(args.target)
+  mcfg = plan_programs.plan_model_config(config)
   assert mcfg.scan_layers
-  mesh = plan_lib.shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
+  mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
   with attention.compile_for("tpu"):
-    progs = plan_lib._continuous_programs(  # pylint: disable=protected-access
-        config, mcfg, mesh, plan_lib.sampling_params(config, mcfg))
+    progs = plan_programs._continuous_programs(  # pylint: disable=protected-access
+        config, mcfg, mesh, plan_programs.sampling_params(config, mcfg))
     auto = progs["chunk"].compile()
     state, engine = progs["chunk"].args_info[0][:2]
-    graphdef = nnx.graphdef(plan_lib.abstract_model(mcfg))
+    graphdef = nnx.graphdef(abstract_model(mcfg))
     sampler = continuous.ContinuousSampler(
         graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh)
     shardings = auto.input_shardings[0]
@@ -394,7 +399,7 @@ def test_tpu_continuous_chunk_takes_the_engine_state_in_the_compilers_layout():
         jax.tree.map(sds, state, shardings[0]), jax.tree.map(sds, engine, shardings[1]),
         jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=shardings[2]),
         jax.ShapeDtypeStruct((), bool, sharding=shardings[3]), graphdef=graphdef,
-        params=plan_lib.sampling_params(config, mcfg), mesh=mesh,
+        params=plan_programs.sampling_params(config, mcfg), mesh=mesh,
         chunk_steps=sampler.chunk_steps, max_admit=sampler.max_admit).compile()
   k = engine.slots.decode.cache.k  # [L, N, K, E, S], N over the 4 chips
   whole_cache = int(np.prod(k.shape)) // 4
@@ -414,7 +419,7 @@ def test_lora_step_flops_and_memory_by_hand():
   full = plan_lib.configure(_tiny_args("--config.model.remat=full"))
   adapted = full.copy_and_resolve_references()
   adapted.model.lora.update(rank=4, targets=("q", "down"))
-  mcfg = plan_lib.plan_model_config(full)
+  mcfg = plan_programs.plan_model_config(full)
   d, f, h, e, layers = (mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                         mcfg.dim_per_head, mcfg.num_hidden_layers)
   n_ad, n_kernels = layers * 4 * (d + h * e + f + d), layers * (d * h * e + f * d)
@@ -452,7 +457,7 @@ def test_lora_step_flops_and_memory_by_hand():
                                      ("params", "opt_state", "frozen_base"))
   # The rollout reads merged kernels over the base: a rollout-layout copy of the base is kept
   # only where training splits it over fsdp (SAMPLE_RULES replicate that axis).
-  target = plan_lib.parse_target("gpu:h100:1x8")
+  target = plan_targets.parse_target("gpu:h100:1x8")
   plan = plan_lib.make_plan(adapted, target)
   lr, rparams = plan["lora_rollout"], plan["rollout"]["parts"]["params"]
   assert lr == {"merged": int(rparams * n_kernels / mcfg.num_params()), "resident": rparams}

@@ -1,4 +1,4 @@
-"""``dapo-plan``'s paged-vs-dense rollout estimate (dapo_jax/plan_paged.py): the closed form
+"""``dapo-plan``'s paged-vs-dense rollout estimate (dapo_jax/planner/plan_paged.py): the closed form
 against hand arithmetic, and its length mix against the long-tail bench's sampler."""
 
 import dataclasses
@@ -8,9 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from dapo_jax import plan as plan_lib
-from dapo_jax import plan_estimates as plan_est
-from dapo_jax import plan_paged
+from dapo_jax.planner import plan as plan_lib
+from dapo_jax.planner import programs as plan_programs
+from dapo_jax.planner import targets as plan_targets
+from dapo_jax.planner import plan_estimates as plan_est
+from dapo_jax.planner import plan_paged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -47,7 +49,7 @@ def test_closed_form_by_hand():
   with config.unlocked():
     config.data.max_prompt_length = 20  # pages of 8: two full prompt pages and a partial one
     config.rollout.page_size, config.rollout.kv_hbm_fraction = 8, 0.5
-  mcfg = plan_lib.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(config)
   r, g = config.rollout.max_response_length, config.rollout.n
   assert (r, g, config.algorithm.gen_batch_size) == (32, 8, 32)
   chip = plan_est.Chip(flops_per_s=1e12, hbm_bytes_per_s=1e9, source="by hand")
@@ -133,7 +135,7 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
   laid out per data shard and KV head, the kernel inside the chunk (ragged_tpu with the
   combined K/V pool) and run per device: no operand gathered (temporaries far below the
   pool). One layer of the 0.5B at head_dim 128 (the ragged kernel's lane width)."""
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   args = plan_lib._parse([  # pylint: disable=protected-access
       "--config", os.path.join(CONFIGS, "smoke_qwen2_5_0_5b.py"), "--target", "tpu:v5p:2x2x1",
@@ -143,8 +145,8 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
       "--config.rollout.page_size=16", f"--config.rollout.attention_impl={impl}"])
   config = plan_lib.configure(args)
   config.model.overrides = dict(num_hidden_layers=1, head_dim=128)
-  target = plan_lib.parse_target(args.target)
-  mcfg = plan_lib.plan_model_config(config)
+  target = plan_targets.parse_target(args.target)
+  mcfg = plan_programs.plan_model_config(config)
   mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=list(target.devices))
   page_bytes = 16 * plan_paged.kv_bytes_per_token(mcfg, 2)
   assert page_bytes == 16 * 1 * 2 * 128 * 2  # 1 layer, K and V, 1 of 2 KV heads, bf16
@@ -158,8 +160,8 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
   # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
   spec = dataclasses.replace(spec, num_pages=8192)
   with attention.compile_for("tpu"):
-    c = plan_lib.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_lib.sampling_params(config, mcfg), spec)
+    c = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
+                                            plan_programs.sampling_params(config, mcfg), spec)
   assert "oom" not in c and c["paged"] == {"pages_per_shard": 8192, "page_size": 16,
                                            "shards": 2, "impl": impl}
   pool = 8192 * page_bytes  # per chip: its shard's pool, its KV head (64 MiB)

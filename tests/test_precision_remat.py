@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from dapo_jax import train_step as ts
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.models.config import REMAT_POLICIES
 

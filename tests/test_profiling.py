@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dapo_jax import profiling
+from dapo_jax.infra import profiling
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout import Sampler, SamplingParams
 

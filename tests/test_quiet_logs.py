@@ -63,7 +63,7 @@ def test_gs_run_prints_its_steps_and_little_else(tmp_path):
 def test_non_finite_scalars_stay_out_of_tensorboard(tmp_path, caplog):
   """A NaN (a ratio with nothing to count) is no point on a TensorBoard curve and made
   tensorboardX log a warning per value; metrics.jsonl keeps it as null."""
-  from dapo_jax import metrics  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import metrics  # pylint: disable=g-import-not-at-top
   from tests.test_metrics import _scalars  # pylint: disable=g-import-not-at-top
   with caplog.at_level(logging.WARNING), metrics.MetricsWriter(tmp_path) as w:
     w.write_scalars(1, {"a": 1.0, "nan": math.nan, "inf": math.inf})

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.experimental import multihost_utils
 
-from dapo_jax import run_setup
-from dapo_jax import trajectories
-from dapo_jax import train as train_lib
+from dapo_jax.trainer import run_setup
+from dapo_jax.trainer import trajectories
+from dapo_jax.trainer import train as train_lib
 from tests import fault_report
 from tests.test_train_e2e import ROOT, TINY, _small_config
 from tests.tiny_run_flags import TINY_RUN_FLAGS

@@ -44,7 +44,7 @@ def _prepare(out: str) -> None:
 
 def _worker(out: str) -> None:
   sys.path.insert(0, ROOT)
-  from dapo_jax import distributed  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   import jax  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import orbax as ock  # pylint: disable=g-import-not-at-top

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import objective as obj
-from dapo_jax import train_step as ts
-from dapo_jax import trajectories as traj_lib
+from dapo_jax.trainer import objective as obj
+from dapo_jax.trainer import train_step as ts
+from dapo_jax.trainer import trajectories as traj_lib
 from dapo_jax.models import create_model, get_preset
 
 LOG = math.log

@@ -14,11 +14,11 @@ import shutil
 import pytest
 from etils import epath
 
-from dapo_jax import cli
-from dapo_jax import export
+from dapo_jax.spec import cli
+from dapo_jax.commands import export
 from dapo_jax import main as train_main
-from dapo_jax import run_config
-from dapo_jax import run_files
+from dapo_jax.spec import run_config
+from dapo_jax.infra import run_files
 from tests.gcs_emulator import GcsEmulator
 from tests.test_user_mistakes import TINY, assert_one_line
 from tests.test_user_mistakes import quiet_train_logging  # noqa: F401  (autouse)

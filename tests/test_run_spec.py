@@ -9,7 +9,7 @@ import ml_collections
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax.run_spec import Mesh, RunSpec
+from dapo_jax.spec.run_spec import Mesh, RunSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout import Sampler, SamplingParams, sample_logits
 

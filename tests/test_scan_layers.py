@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import sharding as shd
-from dapo_jax import train_step as ts
+from dapo_jax.infra import sharding as shd
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.checkpoints import orbax as orbax_ckpt
 from dapo_jax.models import abstract_model, create_model, get_preset, shard_model
 from tests.test_precision_remat import _batch, _saved_elements

@@ -17,7 +17,7 @@ import portpicker  # pylint: disable=g-import-not-at-top
 from jetstream.core.proto import jetstream_pb2 as pb  # pylint: disable=g-import-not-at-top
 from jetstream.core.proto import jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
 
-from dapo_jax import serve  # pylint: disable=g-import-not-at-top
+from dapo_jax.commands import serve  # pylint: disable=g-import-not-at-top
 from tests import fault_report  # pylint: disable=g-import-not-at-top
 from tests import rollout_fixtures  # pylint: disable=g-import-not-at-top
 

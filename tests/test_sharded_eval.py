@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import cli
-from dapo_jax import evaluate
-from dapo_jax import policy as policy_lib
+from dapo_jax.spec import cli
+from dapo_jax.trainer import evaluate
+from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.tokenizers import CharTokenizer
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rollout.weights import RolloutWeights
 

@@ -38,7 +38,7 @@ import sys
 sys.modules["seqio"] = None  # `import seqio` raises ImportError, find_spec says not installed
 sys.modules["tensorflow"] = None
 from dapo_jax.rollout import jetstream_api, jetstream_engine
-from dapo_jax import serve
+from dapo_jax.commands import serve
 orchestrator, _ = serve._jetstream()  # pylint: disable=protected-access
 assert issubclass(jetstream_engine.QwenEngine, jetstream_api.engine_api.Engine)
 assert jetstream_api.token_utils.pad_tokens is not None

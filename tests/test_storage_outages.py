@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from dapo_jax import metrics
-from dapo_jax import run_files
+from dapo_jax.infra import metrics
+from dapo_jax.infra import run_files
 from tests import outage_run
 from tests.gcs_emulator import GcsEmulator
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import trajectories as traj_lib
+from dapo_jax.trainer import trajectories as traj_lib
 from dapo_jax.data import arithmetic
-from dapo_jax.dynamic_sampling import (DatasetExhaustedError, DynamicSampler, Group,
+from dapo_jax.trainer.dynamic_sampling import (DatasetExhaustedError, DynamicSampler, Group,
                                        MaxGenBatchesExceededError)
-from dapo_jax.generation import Generator
+from dapo_jax.trainer.generation import Generator
 from dapo_jax.models import create_model, get_preset
 from dapo_jax.rewards.batch import RewardBatch
 from dapo_jax.rollout.continuous import ContinuousSampler

@@ -10,7 +10,7 @@ import jinja2
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax import run_setup
+from dapo_jax.trainer import run_setup
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers import qwen_vocab
 from dapo_jax.tokenizers import tokenizer as tok_lib
@@ -387,7 +387,7 @@ def test_responses_decode_without_special_tokens_and_score_right(which, request)
   """Issue 17 D6: as verl's DAPO reward manager (skip_special_tokens=True), a special token the
   policy emits after its answer does not make the answer wrong."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from dapo_jax.generation import decode_responses  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.generation import decode_responses  # pylint: disable=g-import-not-at-top
   from dapo_jax.rewards.math_dapo import compute_score  # pylint: disable=g-import-not-at-top
   from dapo_jax.tokenizers import CharTokenizer  # pylint: disable=g-import-not-at-top
   tok = CharTokenizer() if which == "char" else request.getfixturevalue(which)

@@ -12,10 +12,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dapo_jax import run_setup
+from dapo_jax.trainer import run_setup
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.static_stream import StaticStream
-from dapo_jax.train import train_and_evaluate
+from dapo_jax.trainer.train import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -156,8 +156,8 @@ def test_dapo_train_cli_two_steps(tmp_path):
 
 def test_carried_surplus_groups_round_trip_through_json():
   from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
-  from dapo_jax.dynamic_sampling import DynamicSampler  # pylint: disable=g-import-not-at-top
-  from dapo_jax.trajectories import ScoredGroup, Trajectories  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.dynamic_sampling import DynamicSampler  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.trajectories import ScoredGroup, Trajectories  # pylint: disable=g-import-not-at-top
   rec = arithmetic.make_records(1)[0]
   arrays = dict(prompt_ids=np.arange(6, dtype=np.int32).reshape(2, 3),
                 prompt_mask=np.ones((2, 3), bool), response_ids=np.ones((2, 4), np.int32),
@@ -185,7 +185,7 @@ def test_carried_surplus_groups_round_trip_through_json():
 def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
   """A bf16 model trains fp32 master weights; every rollout call of a step (two per generation
   batch here) reads the same bf16 copy in the rollout layout, made once per step."""
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import weights  # pylint: disable=g-import-not-at-top
   seen, copies = [], []
   real_make, real_call = run_setup.make_rollout, weights.RolloutWeights.__call__
@@ -216,7 +216,7 @@ def test_rollout_reads_one_model_dtype_copy_per_step(tmp_path, monkeypatch):
 def test_verl_warmup_and_micro_batch_loss_run_through_the_trainer(tmp_path, monkeypatch):
   """Issue 17 D3: set in the run config, verl's warmup (rate 0 at step 0) and micro-batch loss
   reach the trainer's compiled update."""
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   seen = []
   real = run_setup.TrainStep.__init__
 
@@ -238,7 +238,7 @@ def test_verl_warmup_and_micro_batch_loss_run_through_the_trainer(tmp_path, monk
 def test_kl_loss_runs_end_to_end_and_resumes_with_its_reference(tmp_path, monkeypatch):
   """Issue 17 D2: use_kl_loss builds the reference once (the RL start's weights), trains with
   the KL term, and a resumed run reads the same reference back."""
-  from dapo_jax import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   refs = []
   real = run_setup.reference_policy
 

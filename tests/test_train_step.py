@@ -1,4 +1,5 @@
-"""The compiled DAPO update (dapo_jax.train_step) and chunked log-probs (dapo_jax.logprobs)."""
+"""The compiled DAPO update (dapo_jax.trainer.train_step) and chunked log-probs
+(dapo_jax.models.logprobs)."""
 
 import functools
 
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dapo_jax import logprobs
-from dapo_jax import objective as obj
-from dapo_jax import sharding as shd
-from dapo_jax import train_step as ts
+from dapo_jax.models import logprobs
+from dapo_jax.trainer import objective as obj
+from dapo_jax.infra import sharding as shd
+from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, default_positions, get_preset
 
 B, P, R = 16, 5, 13  # rows, prompt length (left-padded), response length (right-padded)
@@ -80,7 +81,7 @@ def single_device_run(setup):
 def _naive_stats(h, w, targets, temperature):
   z = jnp.einsum("brd,dv->brv", h, w) / temperature
   logp = jnp.take_along_axis(jax.nn.log_softmax(z, -1), targets[..., None], -1)[..., 0]
-  return logp, obj.entropy_from_logits(z)
+  return logp, logprobs.entropy_from_logits(z)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 5, 0])
@@ -121,7 +122,7 @@ def test_forward_log_probs_match_model_logits(setup):
   z = full_logits(setup["state"], batch.input_ids, pos, batch.attention_mask)[:, P - 1:-1] / 0.6
   ref = jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch.input_ids[:, P:, None], -1)[..., 0]
   np.testing.assert_allclose(logp, ref, atol=TOL, rtol=TOL)
-  np.testing.assert_allclose(ent, obj.entropy_from_logits(z), atol=TOL, rtol=TOL)
+  np.testing.assert_allclose(ent, logprobs.entropy_from_logits(z), atol=TOL, rtol=TOL)
 
 
 def test_micro_batched_forward_with_rematerialisation(setup):

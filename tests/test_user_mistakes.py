@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from dapo_jax import cli
+from dapo_jax.spec import cli
 from dapo_jax import config as config_lib
-from dapo_jax import evaluate
-from dapo_jax import export
+from dapo_jax.trainer import evaluate
+from dapo_jax.commands import export
 from dapo_jax import main as train_main
-from dapo_jax import plan
-from dapo_jax import serve
+from dapo_jax.planner import plan
+from dapo_jax.commands import serve
 from tests.gcs_emulator import GcsEmulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +185,7 @@ def test_following_a_batch_suggestion_never_hits_another_rule():
 
 def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
   """A ValueError raised inside the run (a bug, not a mistake) is not made into one line."""
-  from dapo_jax import train  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import train  # pylint: disable=g-import-not-at-top
 
   def broken(*args, **kwargs):
     raise ValueError("an internal bug")

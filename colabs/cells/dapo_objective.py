@@ -6,9 +6,9 @@ TITLE = r'''
 DAPO (arXiv 2503.14476) changes four things in GRPO and drops the KL term
 (`docs/algorithm.md` section 1): **Clip-Higher**, **dynamic sampling**, a **token-level loss**
 and **overlong reward shaping**. Each section below plots one of them with the functions the
-trainer itself calls: `dapo_jax.objective` (advantages, clipped loss, aggregation),
-`dapo_jax.dynamic_sampling` and `dapo_jax.rewards`. No model is involved; it runs in seconds on a
-CPU.
+trainer itself calls: `dapo_jax.trainer.objective` (advantages, clipped loss, aggregation),
+`dapo_jax.trainer.dynamic_sampling` and `dapo_jax.rewards`. No model is involved; it runs in
+seconds on a CPU.
 '''
 
 RUNS_ON = r'''
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dapo_jax import dynamic_sampling, objective, rewards
+from dapo_jax.trainer import dynamic_sampling, objective
+from dapo_jax import rewards
 '''),
     ("md", r'''
 ## 1. Clip-Higher and the dual clip (spec section 4)

@@ -10,7 +10,7 @@ workdir (`dapo_jax.checkpoints.orbax.load_params_only`), and a **Hugging Face** 
 (`dapo_jax.load_pretrained`), which this notebook first writes from the restored params with
 `save_pretrained`, so everything runs offline. Then it samples G answers to one prompt through
 the chat template (`dapo_jax.rollout.Sampler`), scores them (`dapo_jax.rewards.compute_score`)
-and measures avg@k on held-out problems (`dapo_jax.evaluate.Evaluator`).
+and measures avg@k on held-out problems (`dapo_jax.trainer.evaluate.Evaluator`).
 
 It reads the run of `train_tiny_dapo.ipynb` when present, and otherwise trains a tiny one here.
 '''
@@ -59,7 +59,7 @@ of DAPO steps).
     ("code", LOAD_CONFIG),
     ("code", QUIET_LOGGING),
     ("code", r'''
-from dapo_jax.train import train_and_evaluate
+from dapo_jax.trainer.train import train_and_evaluate
 
 ckpt_dir = os.path.join(workdir, "checkpoints")
 
@@ -89,7 +89,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from dapo_jax import run_setup
+from dapo_jax.trainer import run_setup
 from dapo_jax.checkpoints.orbax import load_params_only
 from dapo_jax.models import abstract_model
 
@@ -138,7 +138,8 @@ GRPO advantages follow (spec sections 2 and 3); dynamic sampling keeps the group
 right and wrong answers.
 '''),
     ("code", r'''
-from dapo_jax import dynamic_sampling, generation, objective, rewards
+from dapo_jax.trainer import dynamic_sampling, generation, objective
+from dapo_jax import rewards
 from dapo_jax.rollout import Sampler
 
 eval_records = run_setup.load_dataset(config.data.eval, config, "eval")
@@ -180,8 +181,8 @@ unbiased pass@k and maj@k, and keeps a per-problem table. From a shell:
 `--config.x=y`, as with `dapo-train`).
 '''),
     ("code", r'''
-from dapo_jax import eval_metrics
-from dapo_jax.evaluate import Evaluator, problem_id
+from dapo_jax.trainer import eval_metrics
+from dapo_jax.trainer.evaluate import Evaluator, problem_id
 
 config.eval.num_samples = eval_k
 config.eval.max_examples = eval_examples

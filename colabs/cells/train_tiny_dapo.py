@@ -5,8 +5,9 @@ from cells.common import LOAD_CONFIG, QUIET_LOGGING
 TITLE = r'''
 # Train a tiny policy with DAPO on a CPU
 
-This runs `configs/tiny_cpu.py` through `dapo_jax.train.train_and_evaluate(config, workdir)`, the
-function behind `dapo-train --config configs/tiny_cpu.py --workdir ...` (and
+This runs `configs/tiny_cpu.py` through
+`dapo_jax.trainer.train.train_and_evaluate(config, workdir)`, the function behind
+`dapo-train --config configs/tiny_cpu.py --workdir ...` (and
 `launch/local_cpu.sh`): a ~1M-parameter Qwen2-architecture policy with a character tokenizer
 gets a short supervised warm start on worked arithmetic solutions, then DAPO. The run directory
 holds what any run writes (`metrics.jsonl`, `samples.jsonl`, TensorBoard events, Orbax
@@ -130,7 +131,7 @@ already holds a checkpoint is resumed (delete it to start over).
 '''),
     ("code", QUIET_LOGGING),
     ("code", r'''
-from dapo_jax.train import train_and_evaluate
+from dapo_jax.trainer.train import train_and_evaluate
 
 result = train_and_evaluate(config, workdir)
 print(sorted(os.listdir(workdir)))
@@ -138,7 +139,7 @@ print(sorted(os.listdir(workdir)))
     ("md", r'''
 ## Learning curves
 
-Read back from `metrics.jsonl` with `dapo_jax.metrics.read_jsonl` (one row per step; step 0
+Read back from `metrics.jsonl` with `dapo_jax.infra.metrics.read_jsonl` (one row per step; step 0
 holds the evaluation after the warm start, before any DAPO update).
 '''),
     ("code", r'''
@@ -148,7 +149,7 @@ import math
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from dapo_jax.metrics import read_jsonl
+from dapo_jax.infra.metrics import read_jsonl
 
 rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 

@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save, save_file
 
-from dapo_jax import run_files
-from dapo_jax import sharding as shd
+from dapo_jax.infra import run_files
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.init import abstract_model
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -191,7 +191,7 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mes
       ``model.safetensors.index.json``); a local path or a URL (``gs://bucket/model``).
     dtype: parameter (and compute) dtype, e.g. "float32" or "bfloat16"; default float32.
     mesh: when given, each tensor is placed straight into its sharded layout under ``rules``.
-    rules: logical-axis rules (``dapo_jax.sharding.TRAIN_RULES`` or ``SAMPLE_RULES``).
+    rules: logical-axis rules (``dapo_jax.infra.sharding.TRAIN_RULES`` or ``SAMPLE_RULES``).
     **config_overrides: run-time fields of ``Qwen2Config`` (``remat``, ``attention_impl``, ...).
   """
   path = run_files.resolve(path)

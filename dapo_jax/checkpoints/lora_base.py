@@ -21,8 +21,8 @@ def source(config: ml_collections.ConfigDict) -> str:
 
 def record(config: ml_collections.ConfigDict, base: Any) -> dict[str, Any]:
   """``{"source", "fingerprint", "signature"}`` of ``base`` (the frozen base weights)."""
-  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  return {"source": source(config), **orbax_ckpt.fingerprint_record(base)}
+  from dapo_jax.checkpoints import orbax_read  # pylint: disable=g-import-not-at-top
+  return {"source": source(config), **orbax_read.fingerprint_record(base)}
 
 
 def check(where: str, saved: dict[str, Any] | None, have: dict[str, Any] | None,

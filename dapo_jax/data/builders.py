@@ -27,7 +27,7 @@ from typing import Any
 
 from etils import epath
 
-from dapo_jax import run_files
+from dapo_jax.infra import run_files
 from dapo_jax.data.loaders import iter_records
 from dapo_jax.data.records import MathRecord
 

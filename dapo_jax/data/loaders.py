@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from etils import epath
 
-from dapo_jax import run_files
+from dapo_jax.infra import run_files
 from dapo_jax.data.records import (REQUIRED_COLUMNS, DataFormatError, MalformedRowError,
                                    MathRecord, parse_row)
 

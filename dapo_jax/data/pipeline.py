@@ -5,12 +5,14 @@ arrays itself.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from dapo_jax.data.records import MathRecord
+from dapo_jax.infra import distributed
 
 
 class ChatTokenizer(Protocol):
@@ -196,3 +198,18 @@ class PromptIterator:
       raise ValueError(f"invalid iterator state epoch={epoch} position={position} "
                        f"({self.batches_per_epoch} batches per epoch)")
     self.epoch, self.position = epoch, position
+
+
+def gather_records(records: Sequence[MathRecord]) -> list[MathRecord]:
+  """Every process's share of a generation batch, in process order (the global batch order)."""
+  if not distributed.is_multiprocess():
+    return list(records)
+  rows = distributed.allgather_json([dataclasses.asdict(r) for r in records])
+  return [MathRecord(**r) for r in rows]
+
+
+def global_batches(local_batches: Iterator[Sequence[MathRecord]]) -> Iterator[list[MathRecord]]:
+  """Each process's prompt iterator yields its own share; this yields the whole generation batch
+  (the same list on every process), one gather per batch actually drawn."""
+  for records in local_batches:
+    yield gather_records(records)

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
-from dapo_jax.profiling import scoped
+from dapo_jax.infra.profiling import scoped
 
 _SPLASH_BLOCKS = (512, 256, 128)  # splash tiles: the largest that divides the sequence
 _INTERPRET = contextvars.ContextVar("dapo_jax_pallas_interpret", default=False)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 

@@ -19,8 +19,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import sharding as shd
-from dapo_jax.profiling import scoped
+from dapo_jax.infra import sharding as shd
+from dapo_jax.infra.profiling import scoped
 
 Layers = tuple[jax.Array, ...] | jax.Array  # L per-layer arrays, or one stacked [L, ...] array
 

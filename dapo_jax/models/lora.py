@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dapo_jax.models.qwen2 import Dense
+
 RANK_AXIS = "lora_rank"
 # Short target names and the projections they mean.
 SHORT_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
@@ -87,7 +89,6 @@ def _matches(path: str, targets: tuple[str, ...]) -> bool:
 
 
 def _is_dense(module: Any) -> bool:
-  from dapo_jax.models.qwen2 import Dense  # pylint: disable=g-import-not-at-top
   return isinstance(module, Dense)
 
 
@@ -115,7 +116,7 @@ def add_adapters(model: nnx.Module, lcfg: LoRAConfig, seed: int = 0,
   ``mesh`` they are placed by the training rules, as the base kernels are. All of them are drawn
   by one compiled program (a program per shape would compile several times per model).
   """
-  from dapo_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   if lcfg.rank <= 0:
     return model
   specs = []  # (module, A's Adapter metadata, B's, A shape, B shape, init bound, dtype)
@@ -158,17 +159,6 @@ def add_adapters(model: nnx.Module, lcfg: LoRAConfig, seed: int = 0,
     module.lora_b = Adapter(b, logical_axes=b_axes)
     module.lora_scale = lcfg.scale
   return model
-
-
-def dense_delta(module: Any, x: jax.Array, dtype: Any) -> jax.Array:
-  """``scale * (x @ A) @ B`` of one (unstacked) Dense, in ``dtype``."""
-  n = module.n_in
-  a = module.lora_a.value.astype(dtype)
-  b = module.lora_b.value.astype(dtype)
-  xa = jax.lax.dot_general(x.astype(dtype), a,
-                           ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
-  y = jax.lax.dot_general(xa, b, (((xa.ndim - 1,), (0,)), ((), ())))
-  return y * jnp.asarray(module.lora_scale, dtype)
 
 
 def has_adapters(state_or_model: Any) -> bool:

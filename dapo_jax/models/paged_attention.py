@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import attention
-from dapo_jax.profiling import scoped
+from dapo_jax.infra.profiling import scoped
 
 PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
 # ragged_paged_attention's (KV pages, queries) per block where its tuned table has no entry for

@@ -13,7 +13,11 @@ modules (unrolled into the program). Both layouts compute the same function from
 
 Shapes in names: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, E head dim, F MLP width, V vocab, N decode rows.
-Every parameter carries ``logical_axes`` metadata (see ``dapo_jax.sharding``).
+Every parameter carries ``logical_axes`` metadata (see ``dapo_jax.infra.sharding``).
+
+One piece: the layers, the full-sequence forward and the one decode step (dense and paged) share
+every weight and must stay exactly equal (the golden and log-prob tests compare them), so they are
+kept side by side.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from dapo_jax.models import attention, kv_cache, lora, paged_attention, paged_kv
+from dapo_jax.models import attention, kv_cache, paged_attention, paged_kv
 from dapo_jax.models.config import Qwen2Config
 from dapo_jax.models.kv_cache import KVCache
 from dapo_jax.models.paged_kv import PagedKVCache
-from dapo_jax.profiling import scoped
-from dapo_jax.sharding import constrain
+from dapo_jax.infra.profiling import scoped
+from dapo_jax.infra.sharding import constrain
 
 _INIT_STD = 0.02
 LAYERS_AXIS = "layers"  # logical name of the stacked layer axis (config.scan_layers)
@@ -72,8 +76,18 @@ class Dense(nnx.Module):
     if self.bias is not None:
       y = y + self.bias.value.astype(dtype)
     if getattr(self, "lora_a", None) is not None:  # config.model.lora (models/lora.py)
-      y = y + lora.dense_delta(self, x, dtype)
+      y = y + self._lora_delta(x, dtype)
     return y
+
+  def _lora_delta(self, x: jax.Array, dtype: Any) -> jax.Array:
+    """``scale * (x @ A) @ B`` of the adapter `models/lora.add_adapters` attached, in ``dtype``."""
+    n = self.n_in
+    a = self.lora_a.value.astype(dtype)
+    b = self.lora_b.value.astype(dtype)
+    xa = jax.lax.dot_general(x.astype(dtype), a,
+                             ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+    y = jax.lax.dot_general(xa, b, (((xa.ndim - 1,), (0,)), ((), ())))
+    return y * jnp.asarray(self.lora_scale, dtype)
 
 
 @scoped("rope")

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dapo_jax.rewards import math_dapo
-from dapo_jax.rewards import symbolic
+from dapo_jax.infra import distributed
+from dapo_jax.rewards import math_dapo, symbolic
 from dapo_jax.rewards.deadline_pool import DeadlinePool
 
 VERIFIERS = ("strict", "symbolic")
@@ -214,3 +214,17 @@ def compute_batch_rewards(responses: Sequence[str], ground_truths: Sequence[str]
                     overlong_buffer_enable=overlong_buffer_enable, timeout_s=timeout_s,
                     num_workers=num_workers) as scorer:
     return scorer(responses, ground_truths, response_lengths)
+
+
+def gather_rewards(mine: RewardBatch) -> RewardBatch:
+  """Every process's ``RewardBatch`` of its ``share`` of the responses, as one batch in process
+  order (verification is split between the processes, the filter reads all rewards)."""
+  if not distributed.is_multiprocess():
+    return mine
+  gather = distributed.allgather_rows
+  counts = gather(np.asarray([[mine.num_errors, mine.num_timeouts]], np.int64)).sum(0)
+  return dataclasses.replace(
+      mine, score=gather(mine.score), acc=gather(mine.acc),
+      pred=distributed.allgather_json(list(mine.pred)),
+      overlong_penalty=gather(mine.overlong_penalty), reward=gather(mine.reward),
+      num_errors=int(counts[0]), num_timeouts=int(counts[1]))

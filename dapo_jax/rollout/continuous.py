@@ -20,6 +20,9 @@ Sample g of prompt i draws from fold_in(fold_in(key, i), g) (token at position q
 whatever slot or chunk it lands in, so results do not depend on the schedule. With a mesh, slots
 are split over its batch axes; on several processes every process runs the same host schedule
 on the same (replicated) chunk outputs, so all take the same decisions.
+
+One piece: the host side of one engine: the stream's admission, queue, preemption and the chunk loop
+are one state machine over the same slots.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import distributed
-from dapo_jax import sharding as shd
+from dapo_jax.infra import distributed
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.init import cast_params
 from dapo_jax.rollout import engine_programs

@@ -10,8 +10,8 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import distributed
-from dapo_jax import sharding as shd
+from dapo_jax.infra import distributed
+from dapo_jax.infra import sharding as shd
 from dapo_jax.rollout.sampler import RolloutBatch, Sampler
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.static_stream import StaticStream

@@ -33,6 +33,9 @@ request's sample does not depend on which slot or step it ran in.
     prefix = engine.prefill(params=params, padded_tokens=ids_P, true_length=n)
     state = engine.insert(prefix, state, slot=0)
     state, result = engine.generate(params, state)   # result.get_logprobs_at_slot(0)
+
+One piece: JetStream's `Engine` interface for this model: its compiled programs (dense and paged)
+and the class that calls them implement one API.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -57,7 +60,7 @@ from dapo_jax.rollout.jetstream_api import engine_api, token_utils, tokenizer_ap
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
 from dapo_jax.rollout.slot_programs import PagedSpec
 from dapo_jax.rollout.slots import PREFILL_BUCKETS, DecodeState, Prefix
-from dapo_jax.tracing import TraceCounter
+from dapo_jax.infra.tracing import TraceCounter
 
 # Qwen2.5 has no BOS token, but JetStream prepends `bos_id` to every new request. We hand it this
 # sentinel and mask the slot out in prefill, so text and token requests see the same context.

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models.init import cast_params
 from dapo_jax.models.kv_cache import KVCache
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM, default_positions
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, sample_logits
-from dapo_jax.tracing import TraceCounter
+from dapo_jax.infra.tracing import TraceCounter
 
 
 @flax.struct.dataclass

@@ -12,8 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dapo_jax.logprobs import token_log_probs
-from dapo_jax.profiling import scoped
+from dapo_jax.models.logprobs import token_log_probs
+from dapo_jax.infra.profiling import scoped
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,9 @@ live pages.
   outputs are replicated, so the host reads them (once per chunk) on every process.
 
 The host driver is `rollout/continuous.py`.
+
+One piece: the engine's compiled programs share the queue, slot and page-pool layouts; admission,
+decoding and preemption read and write the same carry.
 """
 
 from __future__ import annotations
@@ -44,12 +47,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import paged_attention, paged_kv
 from dapo_jax.models.kv_cache import KVCache, per_layer
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampling import SamplingParams, is_stop, request_keys
-from dapo_jax.tracing import TraceCounter
+from dapo_jax.infra.tracing import TraceCounter
 
 TRACES = TraceCounter()  # per program: tests assert no retrace
 EMPTY_SEQ = jnp.iinfo(jnp.int32).max  # `seq` of a free queue entry (sorts last)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from dapo_jax import sharding as shd
+from dapo_jax.infra import sharding as shd
 from dapo_jax.models import cast_params
 
 _log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""dapo-plan: compiled memory and step-time estimates for a target slice."""

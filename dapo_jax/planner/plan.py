@@ -1,0 +1,253 @@
+r"""``dapo-plan``: will a config fit a slice? Per-device memory and FLOPs before renting it.
+
+  dapo-plan --config configs/dapo_qwen2_5_32b.py --target tpu:v5p:4x4x4 \
+      --config.optim.micro_batch_size=8 --config.rollout.prompts_per_call=48
+  dapo-plan --config configs/dapo_qwen2_5_32b.py --target gpu:h100:16x8 \
+      --config.optim.micro_batch_size=16 --config.mesh=data=1,fsdp=-1,tensor=8
+  dapo-plan --config configs/tiny_cpu.py --target cpu:8
+
+Overrides are dapo-train's ``--config.x=y`` (``--set x=y`` is a deprecated alias of it).
+
+TPU and CPU targets compile the real train step, rollout program and train->rollout reshard
+ahead of time (TPU through libtpu on compile-only devices, so a CPU-only host suffices) and read
+XLA's memory and cost analyses. GPU targets get an analytic estimate, labelled as such.
+
+Where the chip's datasheet peaks are known (TPU targets; `plan_estimates.CHIPS`), the plan also
+compiles the old-log-prob forward, the static sampler's prefill and decode step and the
+continuous engine's programs, and prints a roofline ESTIMATE of one RL step by phase: each
+program's FLOPs and HBM bytes (XLA's cost analysis, which counts a loop body once, so the runs
+are multiplied out explicitly) at peak compute or bandwidth, whichever binds; and the update's
+implied MFU. It leaves out communication and host time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+from absl import flags
+from etils import epath
+from jax.sharding import Mesh
+
+from dapo_jax import config as config_lib
+from dapo_jax.infra import libtpu_flags
+from dapo_jax.infra import sharding as shd
+from dapo_jax.models import Qwen2Config, attention
+from dapo_jax.planner import plan_estimates as est
+from dapo_jax.planner import plan_paged
+from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout,
+                                       compile_decode_costs, compile_logprob, compile_rollout,
+                                       compile_train_cost, compile_train_step, plan_model_config,
+                                       sampling_params)
+from dapo_jax.planner.report import format_plan
+from dapo_jax.planner.targets import Target, parse_target, prepare_libtpu_env
+from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.spec import cli
+from dapo_jax.trainer import run_setup
+
+GiB = 1024**3
+
+
+def _reported(compile_fn, *args) -> dict[str, Any]:
+  """``compile_fn(*args)``, or the error it raised (a program the memory plan does not need)."""
+  try:
+    return compile_fn(*args)
+  except Exception as err:  # pylint: disable=broad-except
+    return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
+# Depths the estimate's programs are compiled at (unrolled) to get their cost at the model's.
+COST_DEPTHS = (1, 2)
+
+
+def _costs_at_depth(compile_fn, *args, config, mcfg: Qwen2Config) -> dict[str, Any]:
+  """``compile_fn(config, mcfg, *args)`` with every program cost at the model's depth.
+
+  XLA's cost analysis counts a loop body once, so a scanned decoder (``scan_layers``) would
+  count one of its layers. A program's cost is affine in the number of layers, so it is compiled
+  with ``COST_DEPTHS`` unrolled layers (small, quick compiles) and extrapolated
+  (``plan_estimates.costs_at_depth``); the memory figures come from the full programs.
+  """
+  runs = [_reported(compile_fn, config, mcfg.replace(num_hidden_layers=d, scan_layers=False),
+                    *args) for d in COST_DEPTHS]
+  return est.costs_at_depth(runs[0], runs[1], COST_DEPTHS, mcfg.num_hidden_layers)
+
+
+def _resident_bytes(plan: dict[str, Any]) -> int:
+  """What stays on a chip through rollout besides the KV: the training state and the rollout
+  weights (the paged pool is sized from the rest)."""
+  return plan["train"]["state_bytes"] + plan["rollout"]["parts"]["params"]
+
+
+def _paged_engine(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target, mesh: Mesh):
+  """The configured continuous engine's `PagedSpec` on the target (None: dense cache)."""
+  shards = math.prod(shd.batch_axes(mesh, shd.SAMPLE_RULES).values())
+  return plan_paged.engine_spec(config, mcfg, target.kind, mesh.shape.get("tensor", 1), shards,
+                                target.hbm_bytes, _resident_bytes(plan))
+
+
+def _compile_paged_fit(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target,
+                       mesh: Mesh, sp: SamplingParams, paged) -> dict[str, Any]:
+  """The paged engine's chunk at the slots the closed form says fit its pool (when that is not
+  the configured count): the memory of the engine the estimate's "slots that fit" row runs."""
+  if target.chip is None or target.hbm_bytes is None:
+    return {"skipped": "no datasheet peaks or HBM size for this target"}
+  pe = plan_paged.estimate(config, mcfg, target.chip, target.num_devices, target.hbm_bytes,
+                           _resident_bytes(plan))
+  slots = pe["slots_fit_per_shard"] * paged.shards
+  if not slots or slots == config.rollout.max_concurrent_decodes:
+    return {"skipped": f"{slots} slots fit: the configured engine's compile is that program"}
+  fit = copy.deepcopy(config)
+  with fit.unlocked():
+    fit.rollout.max_concurrent_decodes = slots
+  return _reported(compile_continuous_rollout, fit, mcfg, mesh, sp,
+                   dataclasses.replace(paged, num_pages=pe["pool_pages"]))
+
+
+def make_plan(config: ml_collections.ConfigDict, target: Target,
+              estimate: bool | None = None) -> dict[str, Any]:
+  """The plan as a JSON-able dict; compiles unless the target is analytic.
+
+  ``estimate`` (default: when the target's chip has datasheet peaks) also compiles the
+  programs the step-time estimate needs (old-log-prob forward, the static sampler's prefill
+  and decode step, the continuous engine) and adds ``plan["estimate"]``.
+  """
+  if estimate is None:
+    estimate = target.chip is not None
+  config_lib.validate(config)
+  mcfg = plan_model_config(config)
+  plan: dict[str, Any] = {
+      "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
+      "hbm_bytes": target.hbm_bytes, "model_params": mcfg.num_params(),
+      "mesh": [list(a) for a in config.mesh],
+      "rollout_mesh": [list(a) for a in (config.rollout_mesh or config.mesh)],
+      "micro_batch_size": config.optim.micro_batch_size, "remat": config.model.remat,
+      "prompts_per_call": config.rollout.prompts_per_call or config.algorithm.gen_batch_size,
+      "flops_analytic": est.step_flops(config, mcfg)}
+  plan["warnings"] = est.layout_warnings(config, mcfg, target.num_devices)
+  if target.analytic:
+    plan["method"] = "analytic estimate (no compiler for this target on this host)"
+    plan.update(est.analytic_memory(config, mcfg, target.num_devices,
+                                    run_setup.train_config(config).master_dtype))
+  else:
+    plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
+    devices = list(target.devices)
+    train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+    rollout_mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
+                                 devices=devices)
+    # Kernels as on the target: "auto" attention is Pallas splash on TPU, not the XLA einsums.
+    with attention.compile_for(target.kind):
+      plan["train"] = compile_train_step(config, mcfg, train_mesh)
+      plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
+      sp = sampling_params(config, mcfg)
+      if config.rollout.engine == "continuous":  # the rollout phase's program
+        paged = _paged_engine(config, mcfg, plan, target, rollout_mesh)
+        plan["continuous_rollout"] = compile_continuous_rollout(config, mcfg, rollout_mesh, sp,
+                                                                paged)
+        if paged is not None:  # the same engine at the slots the closed form says fit its pool
+          plan["paged_fit_rollout"] = _compile_paged_fit(config, mcfg, plan, target,
+                                                         rollout_mesh, sp, paged)
+      if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
+        at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
+        plan["cost_depths"] = list(COST_DEPTHS)
+        plan["train_cost"] = at_depth(compile_train_cost, train_mesh)
+        if not config.rollout.use_sampler_logprobs:
+          plan["logprob"] = at_depth(compile_logprob, train_mesh)
+        plan["decode"] = at_depth(compile_decode_costs, rollout_mesh, sp)
+        plan["continuous"] = at_depth(compile_continuous, rollout_mesh, sp)  # dense engine
+    plan["attention"] = attention.resolve_impl(
+        config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
+        seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
+        head_dim=mcfg.dim_per_head)
+  # The training state stays on the devices while rollout runs (with its resharded copy).
+  state = plan["train"]["state_bytes"]
+  # The move's source is the training shard in the model's dtype: the trained params themselves
+  # when they are in that dtype, else a cast copy made next to them (fp32 master weights).
+  src = plan["rollout"]["reshard"]["src"]
+  held = src if plan["train"]["parts"]["params"] == src else 0
+  rollout = plan.get("continuous_rollout", plan["rollout"])  # the configured engine's
+  plan["phase_peaks"] = {"train": plan["train"]["peak"],
+                         "reshard": state - held + plan["rollout"]["reshard"]["peak"],
+                         "rollout": state + rollout["peak"]}
+  lora_rollout = est.lora_rollout_bytes(config, mcfg, target.num_devices,
+                                        rollout["parts"]["params"])
+  if lora_rollout:  # the rollout reads merged kernels over a base in its layout, not a reshard
+    plan["lora_rollout"], extra = lora_rollout, sum(lora_rollout.values())
+    plan["phase_peaks"].update(reshard=state + extra, rollout=state + extra + rollout["peak"]
+                               - rollout["parts"]["params"])
+  plan["peak_bytes"] = max(plan["phase_peaks"].values())
+  plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
+  if "oom" in plan["train"] or "oom" in rollout:
+    plan["fits"] = False
+  if estimate and target.chip is not None and not target.analytic:
+    plan["uncounted_flops"] = est.uncounted_flops(
+        config, mcfg, target.num_devices, splash=plan["attention"] == "splash",
+        logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
+    plan["estimate"] = est.step_estimate(config, plan, target.chip)
+  if target.chip is not None and target.hbm_bytes is not None:  # closed form: any such target
+    resident = plan["train"]["state_bytes"] + (  # LoRA: merged kernels (+ a base copy)
+        sum(plan["lora_rollout"].values()) if "lora_rollout" in plan
+        else plan["rollout"]["parts"]["params"])
+    plan["paged_estimate"] = plan_paged.estimate(config, mcfg, target.chip, target.num_devices,
+                                                 target.hbm_bytes, resident)
+    plan["paged_estimate"]["compiled"] = plan_paged.compiled_engines(plan)
+  return plan
+
+
+def _define(fv) -> None:
+  flags.DEFINE_string("target", None, "tpu:v5p:4x4x4 | gpu:h100:16x8 | cpu:8", flag_values=fv)
+  flags.DEFINE_integer("layers", None, "compile only this many decoder layers (quick what-ifs: "
+                       "two runs give the memory per layer); not a plan for the full model",
+                       flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the plan as JSON here", flag_values=fv)
+  flags.DEFINE_bool("estimate", True, "with --noestimate, memory only: no step-time estimate "
+                    "(skips its 1- and 2-layer compiles)", flag_values=fv)
+  flags.mark_flag_as_required("target", flag_values=fv)
+
+
+def _parse(argv: Sequence[str]) -> flags.FlagValues:
+  """The flags; ``--set x=y`` (the old syntax, deprecated) is read as ``--config.x=y``."""
+  argv, old = list(argv), []
+  while "--set" in argv:
+    i = argv.index("--set")
+    old.append(argv[i + 1] if i + 1 < len(argv) else "")
+    argv[i:i + 2] = [f"--config.{old[-1]}"]
+  argv = [f"--config.{a.split('=', 1)[1]}" if a.startswith("--set=") else a for a in argv]
+  if old:
+    print(f"dapo-plan: --set is deprecated; write --config.{old[0]}", file=sys.stderr)
+  return cli.parse("dapo-plan", __doc__, argv, _define)
+
+
+def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:
+  config = fv.config
+  if fv.layers:
+    with config.model.overrides.unlocked():  # a config file may leave it empty (and locked)
+      config.model.overrides.num_hidden_layers = fv.layers
+  return config
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  fv = _parse(sys.argv[1:] if argv is None else argv)
+  prepare_libtpu_env(fv.target)  # before parse_target loads the backends (and libtpu)
+  config = configure(fv)
+  libtpu_flags.apply(config)  # the trainer's compiler options (dapo-train applies the same)
+  target = parse_target(fv.target)
+  plan = make_plan(config, target, estimate=None if fv.estimate else False)
+  print(format_plan(plan))
+  if fv.json:
+    epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))
+  return plan
+
+
+def run() -> None:
+  cli.exit_on_error("dapo-plan", main)
+
+
+if __name__ == "__main__":
+  run()

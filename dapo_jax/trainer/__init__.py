@@ -1,0 +1,2 @@
+"""The DAPO trainer: the loop, the compiled update, the objective, dynamic sampling,
+experience, the warm start and evaluation."""

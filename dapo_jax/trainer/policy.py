@@ -1,0 +1,141 @@
+"""The policy a command evaluates, serves or exports, loaded straight into its sharded layout.
+
+A Hugging Face directory (``config.model.checkpoint``) is read one tensor at a time
+(``load_pretrained``), a training workdir's Orbax checkpoint is restored with target shardings:
+either way each device receives only its shard, never a whole copy on one device. The layout is
+``sharding.SAMPLE_RULES`` on ``config.rollout_mesh`` (else ``config.mesh``), as the trainer's
+rollouts use it; one device gets no mesh at all.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh
+
+from dapo_jax.infra import run_files
+from dapo_jax.trainer import run_setup
+from dapo_jax.infra import sharding as shd
+from dapo_jax.models import abstract_model, create_model, lora
+
+
+class Policy(NamedTuple):
+  graphdef: nnx.GraphDef
+  params: nnx.State  # nnx.Param leaves
+  rest: nnx.State  # the model's other state (empty for Qwen2ForCausalLM)
+  tokenizer: Any
+  mesh: Mesh | None
+  step: int | None = None  # the Orbax step restored; None for a HF directory
+
+  @property
+  def model(self):
+    return nnx.merge(self.graphdef, self.params, self.rest)
+
+
+def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
+  """``config.rollout_mesh`` (else ``config.mesh``) over every device; None on one device."""
+  if jax.device_count() == 1:
+    return None
+  return shd.make_mesh([tuple(a) for a in (config.get("rollout_mesh") or config.mesh)],
+                       dcn_axes=config.get("dcn_mesh"))
+
+
+def checkpoint_dir(workdir: str) -> epath.Path:
+  return run_files.resolve(workdir) / "checkpoints"
+
+
+def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None,
+                step: int | None = None, mesh: Mesh | None = None,
+                rules: shd.Rules = shd.SAMPLE_RULES) -> Policy:
+  """The run's tokenizer and params: ``workdir``'s Orbax checkpoint (``step``, default the
+  newest readable one), else the HF directory ``config.model.checkpoint``.
+
+  Params are in ``config.model.param_dtype`` (an fp32 master checkpoint is cast while read).
+  """
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
+  tokenizer = run_setup.build_tokenizer(config)
+  m = config.model
+  if workdir and lora.LoRAConfig.from_config(m.get("lora")).rank:
+    return _lora_policy(config, tokenizer, workdir, step, mesh, rules)
+  if workdir:
+    mcfg = run_setup.model_config(config, tokenizer)
+    graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
+    if jax.tree.leaves(rest):
+      raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
+    restored = orbax_ckpt.restore_params_only(
+        checkpoint_dir(workdir), step, abstract_params=_targets(abstract, mesh, rules))
+    return Policy(graphdef, restored.params, rest, tokenizer, mesh, restored.step)
+  if not m.checkpoint:
+    raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
+                     "--workdir=<a dapo-train workdir>.")
+  model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
+                          **run_setup.model_runtime(config))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return Policy(graphdef, params, rest, tokenizer, mesh)
+
+
+def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step: int | None,
+               mesh: Mesh | None, rules: shd.Rules = shd.SAMPLE_RULES):
+  """A LoRA run's pieces: ``(graphdef, base params, rest, adapters (fp32), step)``; the base as
+  the run built it (``model.checkpoint``, else the preset at ``config.seed``), the adapters from
+  ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
+  from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
+  m = config.model
+  if m.checkpoint:
+    model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
+                            **run_setup.model_runtime(config))
+  else:
+    model = create_model(run_setup.model_config(config, tokenizer), seed=config.seed, mesh=mesh,
+                         rules=rules)
+  graphdef, base, rest = nnx.split(model, nnx.Param, ...)
+  adapters, step = restore_adapters(config, model, workdir, step, mesh, rules, base=base)
+  return graphdef, base, rest, adapters, step
+
+
+def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, step: int | None,
+                     mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES,
+                     base: nnx.State | None = None):
+  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (the plain model:
+  concrete or abstract; left as it is). With ``base`` (``model``'s weights), a checkpoint whose
+  adapters trained on another base is refused in one line."""
+  from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  lcfg = lora.LoRAConfig.from_config(config.model.lora)
+  # Shapes only: drawing adapters that the restore replaces would cost a compile and memory.
+  adapted = nnx.eval_shape(lambda m: lora.add_adapters(m, lcfg), model)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32),
+                          nnx.state(adapted, lora.Adapter))
+  restored = orbax_ckpt.restore_params_only(checkpoint_dir(workdir), step,
+                                            abstract_params=_targets(abstract, mesh, rules))
+  if base is not None:
+    lora_base.check(
+        f"{checkpoint_dir(workdir)} step {restored.step}", restored.meta.get("lora_base"),
+        lora_base.record(config, base), "pass the base it trained on "
+        "(--config.model.checkpoint=<its HF directory>, or the run's --config.seed for a preset)")
+  return restored.params, restored.step
+
+
+def _lora_policy(config, tokenizer, workdir, step, mesh, rules) -> Policy:
+  """The merged weights (``W + alpha / rank * A @ B``) of a LoRA run's checkpoint."""
+  graphdef, base, rest, adapters, step = lora_parts(config, tokenizer, workdir, step, mesh, rules)
+  scale = lora.LoRAConfig.from_config(config.model.lora).scale
+  out = None if mesh is None else shd.state_shardings(base, mesh, rules)
+  merged = jax.jit(lambda a, b: lora.merge_adapters(b, a, scale), out_shardings=out)(adapters,
+                                                                                   base)
+  return Policy(graphdef, merged, rest, tokenizer, mesh, step)
+
+
+def _targets(abstract: nnx.State, mesh: Mesh | None, rules: shd.Rules) -> nnx.State:
+  """Restore targets: shapes and dtypes of ``abstract`` with their sharded layout."""
+  if mesh is None:
+    return abstract
+  shardings = shd.state_shardings(abstract, mesh, rules)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
+

@@ -1,0 +1,353 @@
+"""Builds what a run needs from its config: mesh, tokenizer, model, datasets, step settings,
+and ``build_run``'s bundle of all of them for the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dapo_jax.infra import run_files
+from dapo_jax.infra import sharding as shd
+from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
+from dapo_jax.checkpoints.orbax import TrainCheckpointer
+from dapo_jax.data import arithmetic
+from dapo_jax.data.loaders import load_records
+from dapo_jax.data.pipeline import PromptIterator
+from dapo_jax.data.records import MathRecord
+from dapo_jax.trainer.dynamic_sampling import DynamicSampler
+from dapo_jax.trainer.generation import Generator
+from dapo_jax.models import Qwen2Config, attention, create_model, get_preset, lora
+from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.rollout.factory import make_rollout, make_stream_opener
+from dapo_jax.rollout.sampling import SamplingParams
+from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
+from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
+from dapo_jax.trainer.trajectories import ScoredGroup
+from dapo_jax.trainer.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
+                                 init_train_state)
+
+_log = logging.getLogger(__name__)
+TFDS_NAMES = ("dapo_math_17k", "aime_2024")
+
+
+def build_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
+  """The training mesh; None on a single device (no sharding machinery at all)."""
+  if jax.device_count() == 1:
+    return None
+  return shd.make_mesh([tuple(a) for a in config.mesh], dcn_axes=config.get("dcn_mesh"))
+
+
+def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | None
+                       ) -> Mesh | None:
+  """The rollout mesh: ``config.rollout_mesh`` over the same devices, else the training mesh.
+
+  Parameters move between the two layouts once per training step (``rollout.weights``;
+  ``sharding.reshard_cost`` gives the peak memory of that move).
+  """
+  axes = config.get("rollout_mesh") or []
+  if train_mesh is None or not axes:
+    return train_mesh
+  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=config.get("dcn_mesh"))
+
+
+def build_tokenizer(config: ml_collections.ConfigDict):
+  kind, path = config.tokenizer.kind, config.tokenizer.path or config.model.checkpoint
+  if kind == "char":
+    if path and (run_files.resolve(path) / CharTokenizer.FILE_NAME).exists():
+      return CharTokenizer.load(path)
+    return CharTokenizer()
+  if kind in ("qwen2.5", "qwen2.5-math"):
+    return load_tokenizer(None, fallback=kind)
+  if kind == "hf":
+    return load_tokenizer(path, fallback=None)
+  return load_tokenizer(path or None, fallback="qwen2.5")
+
+
+def model_runtime(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The run-time `Qwen2Config` fields of ``config.model`` (not part of a HF checkpoint).
+
+  A workdir config saved before ``model.scan_layers`` existed is the unscanned layout its
+  checkpoints were written in.
+  """
+  m = config.model
+  return dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+              attention_impl=m.attention_impl, scan_layers=bool(m.get("scan_layers", False)))
+
+
+def model_config(config: ml_collections.ConfigDict, tokenizer) -> Qwen2Config:
+  """The architecture: the checkpoint's config.json, else the preset plus overrides."""
+  m = config.model
+  if m.checkpoint:
+    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(config))
+  overrides = dict(m.overrides.to_dict()) if m.overrides else {}
+  overrides.setdefault("vocab_size", max(tokenizer.vocab_size, get_preset(m.preset).vocab_size)
+                       if config.tokenizer.kind != "char" else tokenizer.vocab_size)
+  cfg = get_preset(m.preset, **model_runtime(config), **overrides)
+  if cfg.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                     f"{tokenizer.vocab_size}; set config.model.overrides.vocab_size.")
+  return cfg
+
+
+def build_model(config: ml_collections.ConfigDict, tokenizer, mesh: Mesh | None):
+  if config.model.checkpoint:
+    return load_pretrained(os.path.expanduser(config.model.checkpoint), mesh=mesh,
+                           **model_runtime(config))
+  return create_model(model_config(config, tokenizer), seed=config.seed, mesh=mesh)
+
+
+def _arith_config(config) -> arithmetic.ArithmeticConfig:
+  a = config.data.arithmetic
+  return arithmetic.ArithmeticConfig(min_digits=a.min_digits, max_digits=a.max_digits,
+                                     min_operands=a.min_operands, max_operands=a.max_operands,
+                                     ops=a.ops)
+
+
+def load_dataset(name: str, config: ml_collections.ConfigDict, split: str
+                 ) -> Sequence[MathRecord]:
+  """A dataset by config name: "arithmetic", a TFDS name, or a parquet/JSONL path."""
+  d = config.data
+  if name == "arithmetic":
+    n = d.arithmetic.num_train if split == "train" else d.arithmetic.num_eval
+    return arithmetic.make_records(n, split="train" if split == "train" else "test",
+                                   seed=config.seed if split == "train" else 0,
+                                   config=_arith_config(config))
+  base = name.split("/")[0]
+  if base in TFDS_NAMES:
+    from dapo_jax.data.builders import load_split  # pylint: disable=g-import-not-at-top
+    tfds_split = "train" if base == "dapo_math_17k" else "test"
+    name = name if (not d.dedup or "/" in name) else f"{name}/dedup"
+    return load_split(name, os.path.expanduser(d.data_dir), os.path.expanduser(d.manual_dir),
+                      tfds_split)
+  records, stats = load_records(os.path.expanduser(name), on_malformed=d.on_malformed,
+                                dedup=d.dedup)
+  if stats.malformed_skipped:
+    _log.warning("%s: skipped %d malformed rows (data.on_malformed='skip').", name,
+                 stats.malformed_skipped)
+  return records
+
+
+def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
+  """The compiled update's settings (spec 4 and 6), as the run spec reads them."""
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  return RunSpec.from_config(config).train_config()
+
+
+def sampling_params(config: ml_collections.ConfigDict, tokenizer, *, eval_mode: bool = False
+                    ) -> SamplingParams:
+  r, e = config.rollout, config.eval
+  return SamplingParams(
+      temperature=e.temperature if eval_mode else r.temperature,
+      top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
+      max_new_tokens=r.max_response_length, eos_ids=stop_ids(config, tokenizer),
+      pad_id=tokenizer.pad_id)
+
+
+def stop_ids(config: ml_collections.ConfigDict, tokenizer) -> tuple[int, ...]:
+  """The ids that end a response under ``rollout.stop_tokens`` (.get: an older config.json)."""
+  if config.rollout.get("stop_tokens", "checkpoint_and_chat") == "checkpoint":
+    return tuple(tokenizer.checkpoint_eos_ids)
+  return tuple(tokenizer.eos_ids)
+
+
+def attention_fallback(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
+                       platform: str) -> str | None:
+  """Why ``attention_impl="auto"`` runs the XLA einsums over the training rows on an
+  accelerator (their [B, heads, T, S] scores cost memory and time), or None when it does not."""
+  t = config.data.max_prompt_length + config.rollout.max_response_length
+  if mcfg.attention_impl != "auto" or attention.resolve_impl(
+      "auto", platform=platform, dtype=mcfg.jnp_dtype, seq_len=t,
+      head_dim=mcfg.dim_per_head) != "xla":
+    return None
+  fix = ("set data.max_prompt_length + rollout.max_response_length to a multiple of 128 (e.g. "
+         f"{-(-t // 128) * 128})")
+  if platform == "tpu":
+    return (f"Training rows of {t} tokens run XLA attention on TPU, not the splash kernel: "
+            f"{fix}.")
+  if platform in ("gpu", "cuda"):
+    return (f"Training rows run XLA attention on GPU, not cuDNN flash attention, which needs "
+            f"bf16/fp16 compute (model.dtype={mcfg.dtype!r}), a head dim that is a multiple of 8 "
+            f"up to 128 (here {mcfg.dim_per_head}) and an even length (here {t}).")
+  return None
+
+
+REFERENCE_DIR = "reference"  # in the workdir: the KL term's reference weights (Orbax)
+
+
+def reference_policy(config: ml_collections.ConfigDict, workdir, state: TrainState,
+                     resumed: bool) -> nnx.State | None:
+  """The KL loss's reference policy: a frozen copy of the weights RL starts from (after any SFT
+  warm start), in the model's parameter dtype; None, and nothing built, when
+  ``algorithm.use_kl_loss`` is off. A fresh run writes it to ``<workdir>/reference``; a resumed
+  run reads it back from there (the start weights are not in the step checkpoints).
+
+  A LoRA run's reference is the base without adapters: zero adapters over the same frozen base
+  (B = 0 adds exactly nothing), so no second copy of the weights exists or is written.
+  """
+  if not config.algorithm.use_kl_loss:
+    return None
+  if lora.has_adapters(state.params):
+    return jax.tree.map(jnp.zeros_like, state.params)
+  dtype = jnp.dtype(config.model.param_dtype)
+  cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+  path = run_files.resolve(workdir) / REFERENCE_DIR
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    if resumed:
+      if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: the reference weights of this run (algorithm.use_kl_loss=True) are "
+            "missing; they are written when a run starts. Resume with the setting the run "
+            "started with, or start a new workdir.")
+      abstract = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding), state.params)
+      return checkpointer.restore(path, abstract)
+    # A copy (new buffers): the train step donates the live params.
+    ref = jax.tree.map(lambda x: jnp.array(x, dtype=cast(x), copy=True), state.params)
+    checkpointer.save(path, ref, force=True)
+    checkpointer.wait_until_finished()
+    return ref
+  finally:
+    checkpointer.close()
+
+
+def describe(config: ml_collections.ConfigDict, model: Any) -> str:
+  n = model.config.num_params()
+  return (f"model {config.model.checkpoint or config.model.preset}: {n / 1e6:.2f}M params, "
+          f"{jax.device_count()} devices ({jax.default_backend()})")
+
+
+def commit(state: TrainState, mesh: Mesh | None) -> TrainState:
+  """On one device, arrays restored from a checkpoint are committed to it and fresh ones are
+  not, so jit would compile every program twice (a resumed run misses the persistent compile
+  cache); committing both makes them the same programs."""
+  return state if mesh is not None else jax.device_put(state, jax.devices()[0])
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything ``train_and_evaluate`` builds once from the config; ``close`` (or ``with``)
+  waits for the last checkpoint write and ends the verifier's workers."""
+  mesh: Mesh | None
+  tokenizer: Any
+  train_records: Sequence[MathRecord]
+  eval_records: Sequence[MathRecord]
+  rollout: Any  # (weights, ids, mask, key, SamplingParams, n) -> the same host RolloutBatch
+  to_rollout: RolloutWeights  # trained params -> the rollout's copy, once per step
+  train_config: TrainConfig
+  graphdef: nnx.GraphDef
+  step_fn: TrainStep
+  logp_fn: LogProbForward
+  iterator: PromptIterator  # this process's share of each generation batch
+  checkpointer: TrainCheckpointer
+  scorer: RewardScorer
+  generator: Generator  # the training rollout: generate_and_score at rollout.* settings
+  sampler: DynamicSampler
+  # LoRA: the frozen base's source and fingerprint, saved with every checkpoint; None: no LoRA.
+  lora_base: dict[str, Any] | None = None
+
+  def fresh_optimizer(self, state: TrainState) -> TrainState:
+    """``state``'s weights with a new optimizer state (DAPO after the SFT warm start)."""
+    model = nnx.merge(self.graphdef, state.params, state.rest)
+    state = commit(init_train_state(model, self.train_config, self.mesh)[1], self.mesh)
+    if isinstance(self.to_rollout, MergedRolloutWeights):
+      self.to_rollout.base = state.rest
+    return state
+
+  def close(self) -> None:
+    try:
+      self.checkpointer.close()
+    finally:
+      self.scorer.close()
+
+  def __enter__(self) -> Run:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
+  """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``,
+  and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
+  mesh = build_mesh(config)
+  tokenizer = build_tokenizer(config)
+  model = build_model(config, tokenizer, mesh)
+  _log.info(describe(config, model))
+  fallback = attention_fallback(config, model.config, jax.default_backend())
+  if fallback:
+    _log.warning(fallback)
+  train_records = load_dataset(config.data.train, config, "train")
+  eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
+  sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
+  # On several processes: host prompts in, the same host RolloutBatch out on every process.
+  rollout_mesh = build_rollout_mesh(config, mesh)
+  rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
+  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  if lcfg.rank:
+    lora.add_adapters(model, lcfg, seed=config.seed, mesh=mesh)
+    to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
+  else:
+    to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
+  tcfg = train_config(config)
+  graphdef, state = init_train_state(model, tcfg, mesh)
+  state = commit(state, mesh)
+  if lcfg.rank:
+    to_rollout.base = state.rest
+  del model
+  iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
+                            num_epochs=config.data.num_epochs or None,
+                            process_index=jax.process_index(),
+                            process_count=jax.process_count())
+  ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
+                           max_to_keep=config.checkpoint.max_to_keep,
+                           async_save=config.checkpoint.async_save,
+                           max_consecutive_failed_saves=(
+                               config.checkpoint.max_consecutive_failed_saves))
+  r, a = config.reward, config.algorithm
+  scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
+                        overlong_buffer_len=r.overlong_buffer_len,
+                        overlong_penalty_factor=r.overlong_penalty_factor,
+                        overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
+                        num_workers=r.num_workers)
+  generator = Generator(rollout, tokenizer, scorer, sampling_params(config, tokenizer),
+                        num_samples=config.rollout.n,
+                        max_prompt_length=config.data.max_prompt_length,
+                        prompts_per_call=config.rollout.prompts_per_call,
+                        open_stream=make_stream_opener(config, sampler_graphdef, rollout_mesh,
+                                                       rollout))
+  sampler = DynamicSampler(
+      train_batch_size=config.optim.train_batch_size,
+      max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,
+      keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup)
+  run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
+            eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
+            train_config=tcfg, graphdef=graphdef,
+            step_fn=TrainStep(graphdef, tcfg, mesh),
+            logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
+            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler,
+            lora_base=lora_base(config, state) if lcfg.rank else None)
+  return run, state
+
+
+def lora_base(config: ml_collections.ConfigDict, state: TrainState) -> dict[str, Any]:
+  """Where a LoRA run's frozen base comes from and the fingerprint of its weights."""
+  from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
+  return base_lib.record(config, state.rest)
+
+
+def check_lora_base(run: Run, meta: dict[str, Any]) -> None:
+  """Refuses, in one line, adapters restored onto a base other than the one they trained on
+  (or a LoRA checkpoint restored without LoRA, and the reverse)."""
+  from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
+  base_lib.check(f"{run.checkpointer.directory} step {meta['step']}", meta.get("lora_base"),
+                 run.lora_base, "relaunch with that base or start a new workdir")

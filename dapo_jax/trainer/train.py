@@ -1,0 +1,416 @@
+"""``train_and_evaluate(config, workdir)``: the DAPO loop (spec 6), resumable from ``workdir``.
+
+One rollout step: dynamic sampling over generation batches (rollout + rewards), GRPO advantages,
+old log-probs by the training forward, then ``train_batch_size / mini_batch_size`` compiled
+updates per PPO epoch. Validation every ``eval.every`` steps, a checkpoint every
+``checkpoint.save_every`` steps; a run restarted on the same ``workdir`` continues where the
+last checkpoint left off (same data order, same random keys).
+
+One piece: `train_and_evaluate` and the per-step helpers it calls, in the order a step runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from dapo_jax.data import pipeline
+from dapo_jax.infra import compile_cache
+from dapo_jax.infra import curves
+from dapo_jax.trainer import diagnostics
+from dapo_jax.infra import distributed
+from dapo_jax.trainer import evaluate as eval_lib
+from dapo_jax.trainer import logprob_gap
+from dapo_jax.spec import run_config
+from dapo_jax.infra import run_files
+from dapo_jax.trainer import run_setup
+from dapo_jax.trainer import sft
+from dapo_jax.trainer import trajectories as traj_lib
+from dapo_jax.trainer.dynamic_sampling import (DatasetExhaustedError, DynamicSamplingError,
+                                       SamplingStats)
+from dapo_jax.infra.console_log import RunLogger
+from dapo_jax.infra.logging_writers import MultiWriter, open_writers
+from dapo_jax.infra.metrics import Timer
+from dapo_jax.spec.run_spec import RolloutSpec, RunSpec
+from dapo_jax.trainer.train_step import TrainState
+from dapo_jax.trainer.trajectories import Trajectories
+
+_log = logging.getLogger(__name__)
+
+
+class NonFiniteUpdatesError(RuntimeError):
+  """Too many consecutive skipped (non-finite) updates; the last good checkpoint is kept."""
+
+
+def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, float]:
+  return {f"actor/{k}": float(np.mean([float(m[k]) for m in ms])) for k in ms[0]}
+
+
+class _StopRequest:
+  """SIGTERM (a preempted VM, `scancel`, `kill`) asks the loop to checkpoint and exit cleanly.
+
+  The current update finishes, the state is saved at the step reached, and the next launch on
+  the same workdir resumes from it. One process: a Python handler sets a flag. Several: JAX's
+  preemption service owns SIGTERM (a Python handler would replace its notifier) and
+  `reached_preemption_sync_point` names the same step on every process; with that service
+  off, the processes all-gather their flags each step, so all stop at the same step.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous = {}
+    self._jax_service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+
+  def install(self) -> None:
+    if self._jax_service or threading.current_thread() is not threading.main_thread():
+      return  # (signal handlers can only be set from the main thread, e.g. not in a notebook)
+    for sig in (signal.SIGTERM,):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+    _log.warning("Received signal %d: finishing this step, then checkpointing and exiting.",
+                 signum)
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def __enter__(self) -> _StopRequest:
+    self.install()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.restore()
+
+  def requested(self, step: int) -> bool:
+    if jax.process_count() == 1:
+      return self.signum is not None
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    if self._jax_service:
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    flags = multihost_utils.process_allgather(np.int32(self.signum is not None))
+    return bool(np.any(flags))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       allow_config_change: Sequence[str] = ()) -> dict[str, float]:
+  """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation.
+
+  A resume refuses a config whose changes from the run's ``config.json`` are not safe
+  (`run_config`), unless ``allow_config_change`` names them.
+  """
+  spec = RunSpec.from_config(config, num_devices=jax.device_count())  # validated here, once
+  # Before anything is built or written: a refused relaunch leaves the workdir as it was.
+  # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
+  launch = run_files.retry_transient(
+      lambda: run_config.check(workdir, config, allow_config_change),
+      what=f"--workdir {workdir}", timeout_s=spec.checkpoint.storage_wait_s)
+  workdir = launch.workdir  # local path or gs:// URL
+  workdir.mkdir(parents=True, exist_ok=True)
+  compile_cache.setup(spec.compilation_cache_dir, workdir)  # before the first compile
+  with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
+    compiles = teardown.enter_context(compile_cache.CompileCounter())
+    teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
+    run, state = run_setup.build_run(config, workdir)
+    teardown.enter_context(run)
+    evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,
+                                   run.eval_records)
+    evaluating = bool(run.eval_records and spec.eval.every)
+    state, start_step, resumed = _restore(run, state)
+    run_config.record(launch, start_step if resumed else None)  # config.json once restored
+    # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
+    writer = teardown.enter_context(
+        open_writers(spec, workdir, resume_step=start_step if resumed else -1))
+    result: dict[str, float] = {}
+    if not resumed:
+      state, result = _before_rl(spec, run, state, evaluator if evaluating else None)
+      if result:
+        writer.write_scalars(0, result)
+    ref_params = run_setup.reference_policy(config, workdir, state, resumed)  # None: no KL
+    stop = teardown.enter_context(_StopRequest())
+    progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
+    teardown.callback(progress.close)
+    consecutive_skips = 0
+    for step in range(start_step, spec.num_steps):
+      timer = Timer()
+      with timer("rollout"):
+        traj, ds_stats, diag = _sample(spec, run, state, step)
+        adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
+      with timer("old_logprob"):
+        old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
+                                                     ref_params)
+      with timer("update"):
+        state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp)
+      for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
+        consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
+      metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step)
+      metrics.update(diag)
+      metrics.update(_grad_weight_metrics(spec, traj, adv))
+      if evaluating and (step + 1) % spec.eval.every == 0:
+        metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
+      _log_step(spec, writer, progress, step + 1, metrics, traj)
+      result = metrics
+      if consecutive_skips >= spec.optim.max_consecutive_skips:
+        run.checkpointer.wait_until_finished()
+        raise NonFiniteUpdatesError(
+            f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
+            f"The last good checkpoint (step {run.checkpointer.latest_step()}) is kept.")
+      preempted = stop.requested(step + 1)
+      # A save failed on a storage outage is retried at the next one; only
+      # checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line).
+      if (preempted or (step + 1) % spec.checkpoint.save_every == 0
+          or step + 1 == spec.num_steps):
+        _save(run, step + 1, state)
+      if preempted:  # one try: a preempted VM has seconds left
+        if run.checkpointer.wait_until_finished():
+          _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with "
+                       "the same --workdir to resume.", step + 1, run.checkpointer.directory)
+        else:
+          _log.warning("Stopped at step %d on request; its checkpoint could not be written "
+                       "(storage), the newest is step %s. Relaunch with the same --workdir to "
+                       "resume from it.", step + 1, run.checkpointer.latest_step())
+        return {**result, "stopped_at_step": float(step + 1)}
+    _last_save_landed(run, spec.num_steps, state)
+    if evaluating and not any(k.startswith("eval/") for k in result):
+      final = evaluator(run.to_rollout(state.params), step=spec.num_steps)
+      writer.write_scalars(spec.num_steps, final)
+      result.update(final)
+    writer.flush()
+    rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
+    _log_held_out(spec.num_steps, workdir, evaluator.headline, rows)
+    return result
+
+
+def rollout_key(seed: int, step: int) -> jax.Array:
+  """A step's rollout key: it depends only on (seed, step), so a resumed run draws the same.
+
+  Prompt i of the step (i counts through its generation batches) draws from it and i alone
+  (``rollout.static_stream``, ``rollout.stream``).
+  """
+  return jax.random.fold_in(jax.random.key(seed), 1 + step)
+
+
+def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bool]:
+  """The state, the first step to run and whether a checkpoint was found in the workdir."""
+  restored = run.checkpointer.restore(abstract_params=state.params,
+                                      abstract_opt_state=state.opt_state)
+  if restored is None:
+    return state, 0, False
+  params, opt_state, meta = restored
+  run_setup.check_lora_base(run, meta)
+  state = state.replace(params=params, opt_state=opt_state,
+                            step=jnp.asarray(meta["update_step"], jnp.int32),
+                            num_skipped=jnp.asarray(meta["num_skipped"], jnp.int32))
+  run.iterator.set_state(meta["iterator"])
+  run.sampler.load_state_dict(meta["sampler"])
+  _log.info("Resumed from %s at step %d.", run.checkpointer.directory, int(meta["step"]))
+  return run_setup.commit(state, run.mesh), int(meta["step"]), True
+
+
+def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
+               ) -> tuple[TrainState, dict[str, float]]:
+  """A fresh run's optional SFT warm start and its step-0 evaluation."""
+  before: dict[str, float] = {}
+  if spec.sft.steps:
+    state, before = sft.warm_start(spec, run.graphdef, state, run.tokenizer, run.train_records,
+                                   run.mesh)
+    state = run.fresh_optimizer(state)  # a fresh optimizer for DAPO on the warm-started weights
+  if evaluator is not None:
+    before.update(evaluator(run.to_rollout(state.params)))
+  return state, before
+
+
+def _sample(spec: RunSpec, run: run_setup.Run, state: TrainState, step: int
+            ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
+  """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update;
+  the step's sampling diagnostics (`diagnostics.sampling_metrics`).
+
+  ``algorithm.sampling_loop``: "batch" rolls out whole generation batches; "stream" admits
+  prompts only while they can be needed and keeps the same groups; "stream_eager" takes
+  groups as they finish. A kill mid-rollout resumes from the last checkpoint (a step
+  boundary, where nothing is in flight) and redraws the step with the same keys.
+  """
+  loop = spec.algorithm.sampling_loop
+  stream = run.generator.stream(run.to_rollout(state.params), rollout_key(spec.seed, step))
+  batches = pipeline.global_batches(run.iterator)
+  try:
+    if loop == "batch":
+      groups, ds_stats = run.sampler.sample(batches, generate_fn=stream.generate)
+    else:
+      groups, ds_stats = run.sampler.sample_stream(batches, stream, wait=loop == "stream")
+  except DynamicSamplingError as err:
+    raise _sampling_stopped(err, step, spec, run, state) from err
+  finally:
+    decoded = stream.stats()
+    stream.close()
+  traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step)
+  ds_stats.decoded_tokens = int(decoded["decoded_tokens"])
+  ds_stats.decode_slot_steps = int(decoded["slot_steps"])
+  ds_stats.preemptions = int(decoded.get("preemptions", 0))
+  traj = Trajectories.from_groups(groups)
+  # Every process must train on the same batch (the filter saw gathered rewards).
+  distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
+                                           "The dynamic-sampling batch")
+  r = spec.rollout
+  ppc = r.prompts_per_call if r.engine == "static" else 0
+  diag = diagnostics.sampling_metrics(stream.log, groups,
+                                      max_response_length=r.max_response_length,
+                                      rows_per_decode=ppc * r.n)
+  return traj, ds_stats, diag
+
+
+def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
+                         ) -> dict[str, float]:
+  """`diagnostics.grad_weight_share` under the run's loss aggregation and mini-batches."""
+  a = spec.algorithm
+  weights = diagnostics.row_loss_weights(
+      traj.response_mask, traj.truncated, a.loss_agg_mode, spec.sizes.rows_per_update,
+      overlong_filter=a.overlong_filter)
+  return diagnostics.grad_weight_share(adv, weights, traj.acc, traj.lengths,
+                                       spec.rollout.max_response_length)
+
+
+def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, traj: Trajectories,
+                   step: int, ref_params=None):
+  """``(old, entropy, ref)`` log-probs (spec 6.2). Old: the behaviour policy's, the sampler's
+  or the training forward's (+ entropy) with the sampler's kept for groups carried from an
+  earlier step. Ref: the KL reference's, in the same compiled pass (None without one)."""
+  rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
+          distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
+  if rollout.use_sampler_logprobs:
+    ref = None
+    if ref_params is not None:
+      ref = np.asarray(distributed.global_to_host(run.logp_fn(ref_params, *rows)[0]))
+    return traj.sampler_logprobs, None, ref
+  if ref_params is None:
+    logp, entropy = distributed.global_to_host(run.logp_fn(state.params, *rows))
+    ref = None
+  else:
+    logp, entropy, ref = distributed.global_to_host(
+        run.logp_fn(state.params, *rows, ref_params=ref_params))
+    ref = np.asarray(ref)
+  return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy, ref
+
+
+def _update(spec: RunSpec, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
+            step: int, ref_logp=None) -> tuple[TrainState, list[dict[str, Any]]]:
+  """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update."""
+  rows_per_update = spec.sizes.rows_per_update
+  updates = []
+  for _ in range(spec.optim.ppo_epochs):
+    for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh,
+                                       ref_logp, run.train_config.rollout_is != "none"):
+      state, m = run.step_fn(state, batch, step)
+      updates.append(m)
+  return state, jax.device_get(updates)
+
+
+def step_metrics(spec: RunSpec, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
+                 updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer,
+                 step: int) -> dict[str, float]:
+  """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput."""
+  metrics = _mean_metrics(updates)
+  metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
+  metrics.update(traj_lib.rollout_metrics(
+      traj, max_response_length=spec.rollout.max_response_length,
+      buffer_len=spec.reward.overlong_buffer_len))
+  metrics.update({f"sampling/{k}": float(v) for k, v in ds_stats.to_dict().items()})
+  mask = traj.response_mask
+  # Response tokens of groups sampled by an earlier step's policy (keep_surplus), trained with
+  # that policy's log-probs as old log-probs.
+  metrics["sampling/carried_tokens_trained"] = float(mask[traj.carried_rows(step)].sum())
+  if not spec.rollout.use_sampler_logprobs:
+    # Sampler vs training forward on the same tokens (issue 29): bit-equal share, |delta logp|,
+    # k3 KL and importance weights; a gap means the update is silently off-policy (verl logs
+    # rollout_probs_diff and rollout_corr/*). Carried groups' old log-probs are the sampler's.
+    metrics.update({f"rollout/{k}": v for k, v in logprob_gap.logprob_gap_metrics(
+        traj.sampler_logprobs, old_logp, mask).items()})
+  if entropy is not None:
+    metrics["actor/entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
+  metrics["reward/verifier_errors"] = float(traj.verifier_errors)
+  metrics["reward/verifier_timeouts"] = float(traj.verifier_timeouts)
+  metrics.update({f"time/{k}": v for k, v in timer.totals.items()})
+  metrics["time/step"] = sum(timer.totals.values())
+  metrics["perf/trained_tokens_per_s"] = float(mask.sum()) / max(
+      timer.totals.get("update", 1e-9), 1e-9)
+  metrics["perf/rollout_tokens_per_s"] = float(
+      ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
+  return metrics
+
+
+def _log_step(spec: RunSpec, writer: MultiWriter, progress: RunLogger, step: int,
+              metrics: dict[str, float], traj: Trajectories) -> None:
+  n = spec.rollout.n
+  writer.write_scalars(step, metrics)
+  writer.write_texts(step, {f"sample_{i}": f"{traj.prompts[i // n]!r} -> {traj.texts[i]!r} "
+                            f"(reward {traj.reward[i]:+.2f})"
+                            for i in range(0, min(traj.num_rows, spec.num_sample_texts * n), n)})
+  progress.update(step, metrics, traj)
+  writer.flush()  # on disk before the step's checkpoint: a kill never loses a saved step's row
+
+
+def _log_held_out(num_steps: int, workdir, headline: str, rows: list[dict[str, Any]]) -> None:
+  evals = [r[headline] for r in rows if r.get(headline) is not None]
+  if evals:
+    _log.info("Held-out %s: %.3f at the start of RL -> %.3f after %d steps. Curves: %s",
+              headline, evals[0], evals[-1], num_steps, workdir / run_files.CURVES_FILE)
+
+
+class SamplingStoppedError(RuntimeError):
+  """Dynamic sampling could not fill a batch (`max_num_gen_batches`, or data ran out).
+
+  The state is checkpointed at the step reached, with the groups gathered so far carried: the
+  next launch on the same workdir (e.g. with a higher limit) starts from them.
+  """
+
+
+def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: run_setup.Run,
+                      state: TrainState) -> SamplingStoppedError:
+  run.sampler.carry(err.groups)  # nothing gathered is thrown away
+  # force: a resumed run re-saves its start step (iterator advanced, groups carried).
+  _save(run, step, state, force=True)
+  st, gathered = err.stats, f"{len(err.groups)}/{spec.optim.train_batch_size}"
+  if isinstance(err, DatasetExhaustedError):
+    what = (f"dataset {spec.data.train!r} ran out after data.num_epochs="
+            f"{spec.data.num_epochs} epoch(s) with {gathered} groups gathered. Raise "
+            "data.num_epochs (0 = endless) or lower num_steps")
+  else:
+    what = (f"{gathered} groups after {st.num_gen_batches} generation batches "
+            f"(algorithm.max_num_gen_batches={spec.algorithm.max_num_gen_batches}; kept ratio "
+            f"{st.kept_ratio:.3f}, all-correct {st.all_correct_ratio:.3f}, all-wrong "
+            f"{st.all_wrong_ratio:.3f}). Raise algorithm.max_num_gen_batches (0 = unlimited) "
+            "or algorithm.gen_batch_size (add --allow_config_change=algorithm.gen_batch_size), "
+            "or check the data and the reward")
+  return SamplingStoppedError(
+      f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
+      f"gathered are saved with a checkpoint of step {step} in {run.checkpointer.directory} and "
+      "are used first when the run is relaunched on the same --workdir.")
+
+
+def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
+  """Waits for the run's last checkpoint; one lost to a storage outage is saved again until it
+  lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
+  while not run.checkpointer.wait_until_finished():
+    time.sleep(run_files.RETRY_WAIT_S)
+    _save(run, step, state)
+
+
+def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False) -> None:
+  """Params, optimizer state and the JSON meta a resumed run continues from."""
+  meta = {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
+          "iterator": run.iterator.get_state(), "sampler": run.sampler.state_dict()}
+  if run.lora_base is not None:  # the base a LoRA run's adapters belong to
+    meta["lora_base"] = run.lora_base
+  run.checkpointer.save(step, state.params, state.opt_state, meta, force=force)

@@ -1,0 +1,148 @@
+"""The tree shows the architecture (docs/architecture.md): every module sits in a subpackage of
+one role, imports only the roles below it, no two modules import each other (even through
+function-level imports), and a file over 400 lines says in its docstring why it is one piece.
+
+Reads the sources with `ast`; imports nothing of dapo_jax."""
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "dapo_jax"
+MAX_LINES = 400
+# What each role may import (besides itself), bottom to top. docs/architecture.md has the table.
+MAY_IMPORT = {
+    "infra": set(),
+    "models": {"infra"},
+    "tokenizers": {"infra"},
+    "data": {"tokenizers", "infra"},
+    "rewards": {"infra"},
+    "checkpoints": {"models", "infra"},
+    "rollout": {"models", "data", "tokenizers", "infra"},
+    "spec": {"config", "models", "infra"},
+    "config": {"spec", "models", "infra"},
+    "trainer": {"spec", "config", "rollout", "checkpoints", "rewards", "data", "tokenizers",
+                "models", "infra"},
+    "planner": {"trainer", "spec", "config", "rollout", "checkpoints", "data", "tokenizers",
+                "models", "infra"},
+    "commands": {"planner", "trainer", "spec", "config", "rollout", "checkpoints", "rewards",
+                 "data", "tokenizers", "models", "infra"},
+    "main": {"commands", "trainer", "spec", "config", "rollout", "checkpoints", "rewards", "data",
+             "tokenizers", "models", "infra"},
+    "root": {"checkpoints"},  # dapo_jax/__init__.py: load_pretrained
+}
+# Imports that cross the layers on purpose: the schema checks a choice against the table of the
+# code that implements it, and the spec builds the compiled step's static settings.
+EXCEPTIONS = {
+    ("dapo_jax.config", "dapo_jax.trainer.objective"),
+    ("dapo_jax.config", "dapo_jax.trainer.train_step"),
+    ("dapo_jax.spec.run_spec", "dapo_jax.trainer.train_step"),
+}
+ROOT_MODULES = {"dapo_jax", "dapo_jax.config", "dapo_jax.main"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in sorted(PKG.rglob("*.py")):
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    name = ".".join(rel.parts)
+    out[name.removesuffix(".__init__")] = path
+  return out
+
+
+def _role(module: str) -> str:
+  parts = module.split(".")
+  if len(parts) == 1:
+    return "root"
+  return parts[1]
+
+
+def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
+  """dapo_jax modules ``path`` imports at run time, at any depth (a function-level import is
+  still a dependency); ``if TYPE_CHECKING:`` blocks are left out (they never run)."""
+  tree = ast.parse(path.read_text())
+  skip: set[int] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+  found = set()
+  for node in ast.walk(tree):
+    if id(node) in skip:
+      continue
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dapo_jax"):
+      for alias in node.names:
+        sub = f"{node.module}.{alias.name}"
+        found.add(sub if sub in known else node.module)
+    elif isinstance(node, ast.Import):
+      found.update(a.name for a in node.names if a.name.startswith("dapo_jax"))
+  return found & known
+
+
+def _graph() -> dict[str, set[str]]:
+  mods = _modules()
+  known = set(mods)
+  graph = {m: _imports(p, known) - {m} for m, p in mods.items()}
+  # A package's __init__ runs when any of its modules is imported: "imports a.b" implies "a".
+  return graph
+
+
+def test_every_module_sits_in_a_role():
+  roles = {_role(m) for m in _modules()}
+  assert roles <= set(MAY_IMPORT), roles - set(MAY_IMPORT)
+  flat = {m for m in _modules() if m.count(".") == 1 and not (PKG / m.split(".")[1]).is_dir()}
+  assert flat == ROOT_MODULES - {"dapo_jax"}, (
+      f"modules at the package root besides config.py and main.py: {sorted(flat)}; "
+      "put them in the subpackage of their role (docs/architecture.md)")
+
+
+def test_roles_import_only_the_roles_below():
+  bad = []
+  for mod, deps in _graph().items():
+    for dep in deps:
+      a, b = _role(mod), _role(dep)
+      if a != b and b not in MAY_IMPORT[a] and (mod, dep) not in EXCEPTIONS:
+        bad.append(f"{mod} ({a}) imports {dep} ({b})")
+  assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+  graph = _graph()
+  state: dict[str, int] = {}  # 1: on the stack, 2: done
+  cycles = []
+
+  def visit(m, stack):
+    state[m] = 1
+    for d in sorted(graph[m]):
+      if state.get(d) == 1:
+        cycles.append(stack[stack.index(d):] + [d])
+      elif d not in state:
+        visit(d, stack + [d])
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [m])
+  assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
+def test_long_files_say_why_they_are_one_piece(path):
+  lines = len(path.read_text().splitlines())
+  if lines <= MAX_LINES:
+    return
+  doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+  assert "One piece:" in doc, (
+      f"{path.relative_to(PKG.parent)} has {lines} lines: split it, or say in its module "
+      f"docstring why it is one piece ('One piece: ...')")
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+  """The helpers see function-level imports, skip TYPE_CHECKING ones and find a cycle."""
+  src = tmp_path / "m.py"
+  src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "  from dapo_jax.trainer import train\n"
+                 "def f():\n  from dapo_jax.infra import metrics\n")
+  known = {"dapo_jax.trainer.train", "dapo_jax.infra.metrics", "dapo_jax.infra"}
+  assert _imports(src, known) == {"dapo_jax.infra.metrics"}
+  assert _role("dapo_jax.infra.metrics") == "infra" and _role("dapo_jax") == "root"
