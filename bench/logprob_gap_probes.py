@@ -27,6 +27,7 @@ one); the probe says so rather than comparing kernels it cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 import tiny_cpu  # noqa: E402  # pylint: disable=wrong-import-position
 
+from dapo_jax.spec.run_spec import read_section  # noqa: E402
 from dapo_jax.trainer import logprob_gap, logprob_measure, run_setup  # noqa: E402
 from dapo_jax.infra import sharding as shd  # noqa: E402
 from dapo_jax.trainer.generation import render_batch  # noqa: E402
@@ -81,8 +83,9 @@ def tiny_config(dtype: str = "float32", engine: str = "static", *, small: bool =
 
 def build(config, seed: int = 0):
   """(graphdef, params, rest, tokenizer) of a random-init model on one device."""
-  tokenizer = run_setup.build_tokenizer(config)
-  model = create_model(run_setup.model_config(config, tokenizer), seed=seed)
+  m, tok = read_section(config, "model"), read_section(config, "tokenizer")
+  tokenizer = run_setup.build_tokenizer(tok, m.checkpoint)
+  model = create_model(run_setup.model_config(m, tok.kind, tokenizer), seed=seed)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, params, rest, tokenizer
 
@@ -157,9 +160,9 @@ def head_pair(graphdef, params, rest, ids, mask, response):
 def graphdef_with(config, tokenizer, **model_fields):
   """The graphdef of the same architecture with other run-time fields (remat, attention_impl):
   the params of `build` fit it unchanged."""
-  c = config.copy_and_resolve_references()
-  c.model.update(model_fields)
-  return nnx.split(abstract_model(run_setup.model_config(c, tokenizer)), nnx.Param, ...)[0]
+  m = dataclasses.replace(read_section(config, "model"), **model_fields)
+  kind = read_section(config, "tokenizer").kind
+  return nnx.split(abstract_model(run_setup.model_config(m, kind, tokenizer)), nnx.Param, ...)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))

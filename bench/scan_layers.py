@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer import run_setup
 from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, default_positions
@@ -57,7 +58,9 @@ def main():
   args = parser.parse_args()
 
   config = load_config(args.config)
-  base = run_setup.model_config(config, run_setup.build_tokenizer(config))
+  spec = RunSpec.from_config(config)
+  base = run_setup.model_config(spec.model, spec.tokenizer.kind,
+                                run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint))
   o = config.optim
   rows = o.mini_batch_size * config.rollout.n
   batch = make_batch(rows, config.data.max_prompt_length, config.rollout.max_response_length,

@@ -11,6 +11,7 @@ from flax import nnx
 from dapo_jax import config as config_lib
 from dapo_jax.trainer import train_step as ts
 from dapo_jax.models import create_model, get_preset, lora
+from dapo_jax.spec.run_spec import RunSpec
 
 B, P, R = 8, 4, 6
 VOCAB = 128
@@ -243,14 +244,15 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   assert sum(differs) == 7  # the 7 adapted kernels of the one layer, nothing else
   # The trainer's rollout weights at step 2: its base in the training layout, the adapters
   # restored there, merged by the trainer's MergedRolloutWeights.
-  mesh = run_setup.build_mesh(config)
-  model = run_setup.build_model(config, pol.tokenizer, mesh)
+  spec = RunSpec.from_config(config)
+  mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
+  model = run_setup.build_model(spec.model, spec.tokenizer.kind, pol.tokenizer, mesh, spec.seed)
   train_base = nnx.state(model, nnx.Param)
   train_adapters, _ = policy_lib.restore_adapters(config, model, workdir, None, mesh,
                                                   shd.TRAIN_RULES, base=train_base)
   scale = config.model.lora.alpha / config.model.lora.rank
   trainer = MergedRolloutWeights(model.config.jnp_param_dtype, run_setup.build_rollout_mesh(
-      config, mesh), scale, base=train_base)(train_adapters)
+      spec.rollout_mesh, spec.dcn_mesh, mesh), scale, base=train_base)(train_adapters)
   for x, y in zip(jax.tree.leaves(pol.params), jax.tree.leaves(trainer)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert x.sharding.is_equivalent_to(y.sharding, x.ndim)

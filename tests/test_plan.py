@@ -20,6 +20,7 @@ from dapo_jax.planner import plan_estimates as plan_est
 from dapo_jax.trainer import run_setup
 from dapo_jax.models import create_model
 from dapo_jax.rollout import continuous
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer.train_step import TrainBatch, TrainStep, init_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,8 @@ def test_cpu_plan_matches_the_trainers_compiled_step(tiny_plan):
   assert mem["alias"] == p["params"] + p["opt_state"] + _scalars_bytes(2)  # the donated state
 
   # The same numbers as the step the trainer compiles from real, sharded arrays.
-  mesh = run_setup.build_mesh(config)
+  spec = RunSpec.from_config(config)
+  mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
   mcfg = plan_programs.plan_model_config(config)
   tcfg = run_setup.train_config(config)
   graphdef, state = init_train_state(create_model(mcfg, mesh=mesh), tcfg, mesh)
@@ -193,7 +195,8 @@ def test_estimate_costs_count_every_layer_of_a_scanned_model():
   of its layers. The estimate's cost, extrapolated from 1- and 2-layer unrolled compiles, is the
   full unrolled model's (3 layers here), scanned or not."""
   config = plan_lib.configure(_tiny_args("--layers", "3"))
-  mesh = run_setup.build_mesh(config)
+  spec = RunSpec.from_config(config)
+  mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
   unrolled = plan_programs.plan_model_config(config).replace(scan_layers=False)
   scanned = unrolled.replace(scan_layers=True)
   full = plan_programs.compile_train_step(config, unrolled, mesh)

@@ -9,7 +9,7 @@ import ml_collections
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax.spec.run_spec import Mesh, RunSpec
+from dapo_jax.spec.run_spec import Mesh, RunSpec, read_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +90,24 @@ def test_an_older_config_json_reads_with_todays_defaults():
   assert spec.algorithm.rollout_is_band == tuple(default.algorithm.rollout_is_band)
   assert spec.model.lora.rank == 0
   assert spec.rollout.n == config.rollout.n  # what the file holds wins
+
+
+def test_a_config_json_from_before_scan_layers_reads_as_the_unscanned_layout():
+  old = config_lib.default_config()
+  del old["model"]["scan_layers"]
+  assert RunSpec.from_config(old).model.scan_layers is False
+  assert read_section(old, "model").scan_layers is False
+  assert read_section(config_lib.default_config(), "model").scan_layers is True
+
+
+def test_read_section_reads_one_section_without_validating():
+  config = config_lib.default_config()
+  config.reward.overlong_buffer_len = 10 ** 6  # fails validation; not a section read here
+  del config["rollout"]["stop_tokens"]  # an older config.json
+  assert read_section(config, "rollout") == RunSpec.from_config(
+      config_lib.default_config()).rollout
+  assert read_section(config, "mesh") == tuple(tuple(a) for a in config.mesh)
+  assert read_section(config, "seed") == config.seed
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))

@@ -10,6 +10,7 @@ import jinja2
 import pytest
 
 from dapo_jax import config as config_lib
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer import run_setup
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers import qwen_vocab
@@ -279,10 +280,11 @@ def test_hf_eos_pad_resolution(hf_tok, tmp_path):
   # rollout.stop_tokens: the checkpoint's own ids (verl / vLLM) vs those plus the chat markers.
   assert tok.checkpoint_eos_ids == (151643,)
   cfg = config_lib.default_config()
-  assert run_setup.stop_ids(cfg, tok) == (151643, 151645)
+  assert run_setup.stop_ids(cfg.rollout.stop_tokens, tok) == (151643, 151645)
   cfg.rollout.stop_tokens = "checkpoint"
-  assert run_setup.stop_ids(cfg, tok) == (151643,)
-  assert run_setup.sampling_params(cfg, tok).eos_ids == (151643,)
+  assert run_setup.stop_ids(cfg.rollout.stop_tokens, tok) == (151643,)
+  spec = RunSpec.from_config(cfg)
+  assert run_setup.sampling_params(spec.rollout, spec.eval, tok).eos_ids == (151643,)
   cfg.rollout.stop_tokens = "eos"
   with pytest.raises(ValueError, match="rollout.stop_tokens='eos': choose one of"):
     config_lib.validate(cfg)

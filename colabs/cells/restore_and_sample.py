@@ -92,11 +92,14 @@ from flax import nnx
 from dapo_jax.trainer import run_setup
 from dapo_jax.checkpoints.orbax import load_params_only
 from dapo_jax.models import abstract_model
+from dapo_jax.spec.run_spec import RunSpec
 
 with open(os.path.join(workdir, "config.json")) as f:
   config = ml_collections.ConfigDict(json.load(f))
-tokenizer = run_setup.build_tokenizer(config)
-graphdef, abstract_params = nnx.split(abstract_model(run_setup.model_config(config, tokenizer)))
+spec = RunSpec.from_config(config)
+tokenizer = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+graphdef, abstract_params = nnx.split(abstract_model(
+    run_setup.model_config(spec.model, spec.tokenizer.kind, tokenizer)))
 params = load_params_only(ckpt_dir, abstract_params=abstract_params)
 num_params = sum(x.size for x in jax.tree.leaves(params))
 print(f"restored step {saved_steps()[-1]}: {num_params:,} parameters")
@@ -151,7 +154,7 @@ print("ground truth:", record.ground_truth)
 sampler = Sampler(hf_graphdef)
 prompt_ids, prompt_mask = generation.render_batch([record], hf_tokenizer,
                                                   config.data.max_prompt_length)
-rollout_params = run_setup.sampling_params(config, hf_tokenizer)
+rollout_params = run_setup.sampling_params(spec.rollout, spec.eval, hf_tokenizer)
 out = jax.device_get(sampler.generate(hf_params, prompt_ids, prompt_mask, jax.random.key(0),
                                       rollout_params, num_samples=group_size))
 texts = generation.decode_responses(hf_tokenizer, out.response_ids, out.lengths,

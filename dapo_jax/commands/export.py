@@ -23,6 +23,7 @@ from absl import flags
 from etils import epath
 
 from dapo_jax.spec import cli
+from dapo_jax.spec.run_spec import read_section
 from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.checkpoints import hf
 
@@ -52,8 +53,9 @@ def export_peft(config, workdir: str, out: str, *, step: int | None = None) -> i
   if not lcfg.rank:
     raise ValueError(f"--peft: {workdir} trained every parameter (model.lora.rank=0), so it has "
                      "no adapters; export it without --peft.")
-  tokenizer = run_setup.build_tokenizer(config)
-  model = abstract_model(run_setup.model_config(config, tokenizer))
+  model_spec, tok = read_section(config, "model"), read_section(config, "tokenizer")
+  tokenizer = run_setup.build_tokenizer(tok, model_spec.checkpoint)
+  model = abstract_model(run_setup.model_config(model_spec, tok.kind, tokenizer))
   adapters, step = policy_lib.restore_adapters(config, model, workdir, step)
   stage = out if "://" not in out else tempfile.mkdtemp(prefix="dapo_export_")
   try:

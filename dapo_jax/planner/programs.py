@@ -22,6 +22,7 @@ from dapo_jax.planner import plan_estimates as est
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
+from dapo_jax.spec.run_spec import read_section
 from dapo_jax.trainer import run_setup
 from dapo_jax.trainer.train_step import (LogProbForward, TrainBatch, TrainState, TrainStep,
                                          make_optimizer, master_params)
@@ -37,11 +38,12 @@ class _VocabOnly:
 def plan_model_config(config: ml_collections.ConfigDict) -> Qwen2Config:
   """The run's architecture, without reading tokenizer files (the preset's vocabulary is at
   least the Qwen2.5 tokenizer's, which is what a run uses too)."""
-  if config.tokenizer.kind == "char":
-    size = run_setup.build_tokenizer(config).vocab_size
+  m, tok = read_section(config, "model"), read_section(config, "tokenizer")
+  if tok.kind == "char":
+    size = run_setup.build_tokenizer(tok, m.checkpoint).vocab_size
   else:
-    size = get_preset(config.model.preset).vocab_size
-  return run_setup.model_config(config, _VocabOnly(size))
+    size = get_preset(m.preset).vocab_size
+  return run_setup.model_config(m, tok.kind, _VocabOnly(size))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

@@ -266,6 +266,14 @@ class RunSpec:
     return _plain(self)
 
 
+def read_section(config: ml_collections.ConfigDict, name: str) -> Any:
+  """One section of ``config`` as the spec reads it (``read_section(config, "model")`` is a
+  `ModelSpec`; ``"mesh"`` the axis pairs), missing keys at today's defaults, without
+  `RunSpec.from_config`'s validation: for code handed a config it does not check (a command
+  that loads a workdir's ``config.json``, a test's partial one)."""
+  return _value(typing.get_type_hints(RunSpec)[name], with_defaults(config)[name], name)
+
+
 def _plain(value):
   if dataclasses.is_dataclass(value):
     return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -278,9 +286,13 @@ def _plain(value):
 
 def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of ``config`` with every key it lacks taken from ``default_config()`` (a workdir's
-  ``config.json`` written before the key existed). Unknown keys stay, for `validate` to name."""
+  ``config.json`` written before the key existed). Unknown keys stay, for `validate` to name.
+  A config saved before ``model.scan_layers`` existed is the unscanned layout its checkpoints
+  were written in."""
   merged = config_lib.default_config()
   _merge(merged, config)
+  if "model" in config and "scan_layers" not in config.model:
+    merged.model.scan_layers = False
   return merged
 
 

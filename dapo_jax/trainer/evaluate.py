@@ -39,6 +39,7 @@ from dapo_jax.infra import run_files
 from dapo_jax.trainer import run_setup
 from dapo_jax.infra import sharding as shd
 from dapo_jax.data.records import MathRecord
+from dapo_jax.spec.run_spec import read_section
 
 _log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ class Evaluator:
     self.config = config
     limit = config.eval.max_examples
     self.records = list(records[:limit] if limit else records)
-    self.params = run_setup.sampling_params(config, tokenizer, eval_mode=True)
+    self.params = run_setup.sampling_params(read_section(config, "rollout"),
+                                            read_section(config, "eval"), tokenizer,
+                                            eval_mode=True)
     self.generator = generation.Generator(
         rollout, tokenizer, scorer, self.params, num_samples=config.eval.num_samples,
         max_prompt_length=config.data.max_prompt_length)

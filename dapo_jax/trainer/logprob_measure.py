@@ -27,6 +27,7 @@ from dapo_jax.data.records import MathRecord
 from dapo_jax.models import abstract_model
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.rollout.weights import RolloutWeights
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer.train_step import LogProbForward
 
 
@@ -40,16 +41,17 @@ def sample_and_recompute(config: ml_collections.ConfigDict, params: nnx.State,
   cast to ``model.param_dtype``, as in training. On several processes the records must be the
   same on every process (as ``build_run``'s rollout expects).
   """
-  mesh = run_setup.build_mesh(config)
-  rollout_mesh = run_setup.build_rollout_mesh(config, mesh)
-  tokenizer = run_setup.build_tokenizer(config)
-  model = abstract_model(run_setup.model_config(config, tokenizer))
+  spec = RunSpec.from_config(config)
+  mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
+  rollout_mesh = run_setup.build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
+  tokenizer = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+  model = abstract_model(run_setup.model_config(spec.model, spec.tokenizer.kind, tokenizer))
   sampler_graphdef = nnx.split(model)[0]
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), rest)  # (none in Qwen2)
   rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
   weights = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)(params)
-  sampling = run_setup.sampling_params(config, tokenizer)
+  sampling = run_setup.sampling_params(spec.rollout, spec.eval, tokenizer)
   n = config.rollout.n
   prompt_ids, prompt_mask = generation.render_batch(records, tokenizer,
                                                     config.data.max_prompt_length)
@@ -60,7 +62,7 @@ def sample_and_recompute(config: ml_collections.ConfigDict, params: nnx.State,
   input_ids = np.concatenate([np.repeat(prompt_ids, n, axis=0), out["response_ids"]], axis=1)
   attention_mask = np.concatenate([np.repeat(prompt_mask, n, axis=0).astype(bool),
                                    response_mask], axis=1)
-  forward = LogProbForward(graphdef, run_setup.train_config(config), mesh, rest=rest)
+  forward = LogProbForward(graphdef, spec.train_config(), mesh, rest=rest)
   trainer_logp, _ = forward(params, input_ids.astype(np.int32), attention_mask,
                             response_mask.shape[1])
   return (np.asarray(out["logprobs"], np.float32),

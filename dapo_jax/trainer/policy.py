@@ -22,6 +22,7 @@ from dapo_jax.infra import run_files
 from dapo_jax.trainer import run_setup
 from dapo_jax.infra import sharding as shd
 from dapo_jax.models import abstract_model, create_model, lora
+from dapo_jax.spec.run_spec import read_section
 
 
 class Policy(NamedTuple):
@@ -59,12 +60,13 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
   """
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-  tokenizer = run_setup.build_tokenizer(config)
+  model_spec, tok = read_section(config, "model"), read_section(config, "tokenizer")
+  tokenizer = run_setup.build_tokenizer(tok, model_spec.checkpoint)
   m = config.model
   if workdir and lora.LoRAConfig.from_config(m.get("lora")).rank:
     return _lora_policy(config, tokenizer, workdir, step, mesh, rules)
   if workdir:
-    mcfg = run_setup.model_config(config, tokenizer)
+    mcfg = run_setup.model_config(model_spec, tok.kind, tokenizer)
     graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
     if jax.tree.leaves(rest):
       raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
@@ -75,7 +77,7 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
                      "--workdir=<a dapo-train workdir>.")
   model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
-                          **run_setup.model_runtime(config))
+                          **run_setup.model_runtime(model_spec))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return Policy(graphdef, params, rest, tokenizer, mesh)
 
@@ -86,13 +88,14 @@ def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step:
   the run built it (``model.checkpoint``, else the preset at ``config.seed``), the adapters from
   ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-  m = config.model
+  m = read_section(config, "model")
   if m.checkpoint:
     model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
-                            **run_setup.model_runtime(config))
+                            **run_setup.model_runtime(m))
   else:
-    model = create_model(run_setup.model_config(config, tokenizer), seed=config.seed, mesh=mesh,
-                         rules=rules)
+    model = create_model(
+        run_setup.model_config(m, read_section(config, "tokenizer").kind, tokenizer),
+        seed=read_section(config, "seed"), mesh=mesh, rules=rules)
   graphdef, base, rest = nnx.split(model, nnx.Param, ...)
   adapters, step = restore_adapters(config, model, workdir, step, mesh, rules, base=base)
   return graphdef, base, rest, adapters, step

@@ -30,6 +30,8 @@ from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout, make_stream_opener
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
+from dapo_jax.spec.run_spec import EvalSpec, ModelSpec, RolloutSpec, RunSpec, TokenizerSpec
+from dapo_jax.spec.run_spec import Mesh as MeshAxes
 from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
 from dapo_jax.trainer.trajectories import ScoredGroup
 from dapo_jax.trainer.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
@@ -39,28 +41,29 @@ _log = logging.getLogger(__name__)
 TFDS_NAMES = ("dapo_math_17k", "aime_2024")
 
 
-def build_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
-  """The training mesh; None on a single device (no sharding machinery at all)."""
+def build_mesh(axes: MeshAxes, dcn_mesh: str = "") -> Mesh | None:
+  """The training mesh (``spec.mesh``, ``spec.dcn_mesh``); None on a single device (no sharding
+  machinery at all)."""
   if jax.device_count() == 1:
     return None
-  return shd.make_mesh([tuple(a) for a in config.mesh], dcn_axes=config.get("dcn_mesh"))
+  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=dcn_mesh)
 
 
-def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Mesh | None
-                       ) -> Mesh | None:
-  """The rollout mesh: ``config.rollout_mesh`` over the same devices, else the training mesh.
+def build_rollout_mesh(axes: MeshAxes, dcn_mesh: str, train_mesh: Mesh | None) -> Mesh | None:
+  """The rollout mesh: ``axes`` (``spec.rollout_mesh``) over the same devices, else (empty) the
+  training mesh.
 
   Parameters move between the two layouts once per training step (``rollout.weights``;
   ``sharding.reshard_cost`` gives the peak memory of that move).
   """
-  axes = config.get("rollout_mesh") or []
   if train_mesh is None or not axes:
     return train_mesh
-  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=config.get("dcn_mesh"))
+  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=dcn_mesh)
 
 
-def build_tokenizer(config: ml_collections.ConfigDict):
-  kind, path = config.tokenizer.kind, config.tokenizer.path or config.model.checkpoint
+def build_tokenizer(tok: TokenizerSpec, checkpoint: str = ""):
+  """The tokenizer ``tok`` names; its files are ``tok.path``, else the model's ``checkpoint``."""
+  kind, path = tok.kind, tok.path or checkpoint
   if kind == "char":
     if path and (run_files.resolve(path) / CharTokenizer.FILE_NAME).exists():
       return CharTokenizer.load(path)
@@ -72,37 +75,37 @@ def build_tokenizer(config: ml_collections.ConfigDict):
   return load_tokenizer(path or None, fallback="qwen2.5")
 
 
-def model_runtime(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The run-time `Qwen2Config` fields of ``config.model`` (not part of a HF checkpoint).
+def model_runtime(m: ModelSpec) -> dict[str, Any]:
+  """The run-time `Qwen2Config` fields of ``m`` (not part of a HF checkpoint).
 
-  A workdir config saved before ``model.scan_layers`` existed is the unscanned layout its
-  checkpoints were written in.
+  A workdir config saved before ``model.scan_layers`` existed reads as the unscanned layout its
+  checkpoints were written in (`run_spec.with_defaults`).
   """
-  m = config.model
   return dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-              attention_impl=m.attention_impl, scan_layers=bool(m.get("scan_layers", False)))
+              attention_impl=m.attention_impl, scan_layers=bool(m.scan_layers))
 
 
-def model_config(config: ml_collections.ConfigDict, tokenizer) -> Qwen2Config:
-  """The architecture: the checkpoint's config.json, else the preset plus overrides."""
-  m = config.model
+def model_config(m: ModelSpec, tokenizer_kind: str, tokenizer) -> Qwen2Config:
+  """The architecture: the checkpoint's config.json, else the preset plus overrides (the
+  vocabulary: the tokenizer's for ``tokenizer_kind`` "char", else at least the preset's)."""
   if m.checkpoint:
-    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(config))
-  overrides = dict(m.overrides.to_dict()) if m.overrides else {}
+    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(m))
+  overrides = dict(m.overrides)
   overrides.setdefault("vocab_size", max(tokenizer.vocab_size, get_preset(m.preset).vocab_size)
-                       if config.tokenizer.kind != "char" else tokenizer.vocab_size)
-  cfg = get_preset(m.preset, **model_runtime(config), **overrides)
+                       if tokenizer_kind != "char" else tokenizer.vocab_size)
+  cfg = get_preset(m.preset, **model_runtime(m), **overrides)
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{tokenizer.vocab_size}; set config.model.overrides.vocab_size.")
   return cfg
 
 
-def build_model(config: ml_collections.ConfigDict, tokenizer, mesh: Mesh | None):
-  if config.model.checkpoint:
-    return load_pretrained(os.path.expanduser(config.model.checkpoint), mesh=mesh,
-                           **model_runtime(config))
-  return create_model(model_config(config, tokenizer), seed=config.seed, mesh=mesh)
+def build_model(m: ModelSpec, tokenizer_kind: str, tokenizer, mesh: Mesh | None, seed: int):
+  """The model: ``m.checkpoint``'s weights, else `model_config`'s architecture drawn at
+  ``seed``."""
+  if m.checkpoint:
+    return load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, **model_runtime(m))
+  return create_model(model_config(m, tokenizer_kind, tokenizer), seed=seed, mesh=mesh)
 
 
 def _arith_config(config) -> arithmetic.ArithmeticConfig:
@@ -138,23 +141,23 @@ def load_dataset(name: str, config: ml_collections.ConfigDict, split: str
 
 def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
   """The compiled update's settings (spec 4 and 6), as the run spec reads them."""
-  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   return RunSpec.from_config(config).train_config()
 
 
-def sampling_params(config: ml_collections.ConfigDict, tokenizer, *, eval_mode: bool = False
+def sampling_params(r: RolloutSpec, e: EvalSpec, tokenizer, *, eval_mode: bool = False
                     ) -> SamplingParams:
-  r, e = config.rollout, config.eval
+  """The rollout's sampling settings (``e``'s temperature and top_p, no top_k, in
+  ``eval_mode``)."""
   return SamplingParams(
       temperature=e.temperature if eval_mode else r.temperature,
       top_p=e.top_p if eval_mode else r.top_p, top_k=0 if eval_mode else r.top_k,
-      max_new_tokens=r.max_response_length, eos_ids=stop_ids(config, tokenizer),
+      max_new_tokens=r.max_response_length, eos_ids=stop_ids(r.stop_tokens, tokenizer),
       pad_id=tokenizer.pad_id)
 
 
-def stop_ids(config: ml_collections.ConfigDict, tokenizer) -> tuple[int, ...]:
-  """The ids that end a response under ``rollout.stop_tokens`` (.get: an older config.json)."""
-  if config.rollout.get("stop_tokens", "checkpoint_and_chat") == "checkpoint":
+def stop_ids(stop_tokens: str, tokenizer) -> tuple[int, ...]:
+  """The ids that end a response under ``stop_tokens`` (``rollout.stop_tokens``)."""
+  if stop_tokens == "checkpoint":
     return tuple(tokenizer.checkpoint_eos_ids)
   return tuple(tokenizer.eos_ids)
 
@@ -279,9 +282,10 @@ class Run:
 def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
   """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``,
   and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
-  mesh = build_mesh(config)
-  tokenizer = build_tokenizer(config)
-  model = build_model(config, tokenizer, mesh)
+  spec = RunSpec.from_config(config)
+  mesh = build_mesh(spec.mesh, spec.dcn_mesh)
+  tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+  model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
   _log.info(describe(config, model))
   fallback = attention_fallback(config, model.config, jax.default_backend())
   if fallback:
@@ -290,7 +294,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
-  rollout_mesh = build_rollout_mesh(config, mesh)
+  rollout_mesh = build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
   rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
   lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
   if lcfg.rank:
@@ -298,7 +302,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
     to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
   else:
     to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
-  tcfg = train_config(config)
+  tcfg = spec.train_config()
   graphdef, state = init_train_state(model, tcfg, mesh)
   state = commit(state, mesh)
   if lcfg.rank:
@@ -319,7 +323,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
                         overlong_penalty_factor=r.overlong_penalty_factor,
                         overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
                         num_workers=r.num_workers)
-  generator = Generator(rollout, tokenizer, scorer, sampling_params(config, tokenizer),
+  generator = Generator(rollout, tokenizer, scorer,
+                        sampling_params(spec.rollout, spec.eval, tokenizer),
                         num_samples=config.rollout.n,
                         max_prompt_length=config.data.max_prompt_length,
                         prompts_per_call=config.rollout.prompts_per_call,
