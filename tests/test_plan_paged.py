@@ -150,13 +150,14 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
   mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=list(target.devices))
   page_bytes = 16 * plan_paged.kv_bytes_per_token(mcfg, 2)
   assert page_bytes == 16 * 1 * 2 * 128 * 2  # 1 layer, K and V, 1 of 2 KV heads, bf16
-  resident = target.hbm_bytes - 2**19  # 0.5 MiB left: 0.45 MiB of pages, below the cap
-  spec = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
-  assert spec.num_pages == int(0.9 * 2**19) // page_bytes == 57 and spec.shards == 2
   roomy = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
   queue = max(2, -(-2 * 8 // config.rollout.n))  # the sampler's queued prompts of 4 pages
-  # A shard's 4 of the 8 slots x 8 pages (128 tokens), the queue's prompts, + 1.
+  # The cap: a shard's 4 of the 8 slots x 8 pages (128 tokens), the queue's prompts, + 1.
   assert roomy.num_pages == 4 * 8 + queue * 4 + 1
+  resident = target.hbm_bytes - 2**18  # 0.25 MiB left: 0.225 MiB of pages, below the cap
+  spec = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
+  assert spec.num_pages == int(0.9 * 2**18) // page_bytes == 28 < roomy.num_pages
+  assert spec.shards == 2
   # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
   spec = dataclasses.replace(spec, num_pages=8192)
   with attention.compile_for("tpu"):
