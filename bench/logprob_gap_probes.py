@@ -92,7 +92,8 @@ def build(config, seed: int = 0):
 
 def fixed_rows(config, tokenizer, num: int = NUM_PROMPTS, seed: int = 0):
   """Rendered prompts [num, P] and fixed responses [num, R] (random tokens, random lengths)."""
-  records = run_setup.load_dataset("arithmetic", config, "eval")[:num]
+  records = run_setup.load_dataset("arithmetic", read_section(config, "data"),
+                                   read_section(config, "seed"), "eval")[:num]
   prompt_ids, prompt_mask = render_batch(records, tokenizer, config.data.max_prompt_length)
   rng = np.random.RandomState(seed)
   r = config.rollout.max_response_length

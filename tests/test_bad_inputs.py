@@ -23,6 +23,7 @@ from dapo_jax.trainer import run_setup
 from dapo_jax.trainer import train as train_lib
 from dapo_jax.data.records import MalformedRowError
 from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.spec.run_spec import read_section
 from tests import dapo_rows
 from tests.test_train_e2e import ROOT, _small_config
 
@@ -31,10 +32,10 @@ def test_malformed_row_through_the_run_config_names_file_and_row(tmp_path, caplo
   path = str(dapo_rows.write_malformed(tmp_path / "bad.parquet"))
   c = config_lib.default_config()
   with pytest.raises(MalformedRowError, match=rf"bad\.parquet: row {dapo_rows.MALFORMED_ROW}: "):
-    run_setup.load_dataset(path, c, "train")
+    run_setup.load_dataset(path, read_section(c, "data"), c.seed, "train")
   c.data.on_malformed = "skip"
   with caplog.at_level(logging.WARNING):
-    records = run_setup.load_dataset(path, c, "train")
+    records = run_setup.load_dataset(path, read_section(c, "data"), c.seed, "train")
   assert len(records) == len(dapo_rows.PROBLEMS) - 1
   assert "bad.parquet: skipped 1 malformed rows" in caplog.text  # counted, never silent
 

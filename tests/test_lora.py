@@ -233,7 +233,9 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
   from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.weights import MergedRolloutWeights  # pylint: disable=g-import-not-at-top
-  pol = policy_lib.load_policy(config, workdir=workdir, mesh=policy_lib.sampling_mesh(config))
+  spec = RunSpec.from_config(config)
+  pol = policy_lib.load_policy(config, workdir=workdir, mesh=policy_lib.sampling_mesh(
+      spec.mesh, spec.rollout_mesh, spec.dcn_mesh))
   graphdef, base, _, restored, step = policy_lib.lora_parts(
       config, pol.tokenizer, workdir, None, pol.mesh)
   assert pol.step == step == 2
@@ -244,7 +246,6 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   assert sum(differs) == 7  # the 7 adapted kernels of the one layer, nothing else
   # The trainer's rollout weights at step 2: its base in the training layout, the adapters
   # restored there, merged by the trainer's MergedRolloutWeights.
-  spec = RunSpec.from_config(config)
   mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
   model = run_setup.build_model(spec.model, spec.tokenizer.kind, pol.tokenizer, mesh, spec.seed)
   train_base = nnx.state(model, nnx.Param)
@@ -257,7 +258,7 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
   # dapo-eval's evaluation: its samples are the adapted model's, not the base's.
-  records = run_setup.load_dataset(config.data.eval, config, "eval")
+  records = run_setup.load_dataset(spec.data.eval, spec.data, spec.seed, "eval")
   lora_eval, ev = evaluate.evaluate_policy(config, pol, records)
   texts = ev.last_texts
   base_eval, ev = evaluate.evaluate_policy(config, pol._replace(params=base), records)

@@ -29,6 +29,7 @@ def _worker(ckpt: str, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from dapo_jax.trainer import evaluate, run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.trainer import policy
+  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
   from dapo_jax.rewards import batch  # pylint: disable=g-import-not-at-top
   scored = []
   real_call = batch.RewardScorer.__call__
@@ -39,8 +40,11 @@ def _worker(ckpt: str, out: str) -> None:
 
   batch.RewardScorer.__call__ = counting_call
   config = evaluate._parse([f"--config.model.checkpoint={ckpt}", *ARGS]).config  # pylint: disable=protected-access
-  pol = policy.load_policy(config, mesh=policy.sampling_mesh(config))
-  records = run_setup.load_dataset(config.data.eval, config, "eval")
+  mesh = policy.sampling_mesh(read_section(config, "mesh"), read_section(config, "rollout_mesh"),
+                              read_section(config, "dcn_mesh"))
+  pol = policy.load_policy(config, mesh=mesh)
+  data = read_section(config, "data")
+  records = run_setup.load_dataset(data.eval, data, read_section(config, "seed"), "eval")
   summary, ev = evaluate.evaluate_policy(config, pol, records)
   with open(os.path.join(out, f"worker{jax.process_index()}.json"), "w") as f:
     json.dump({"summary": summary, "texts": ev.last_texts, "rows_scored": sum(scored),

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dapo_jax.spec import cli
+from dapo_jax.spec.run_spec import read_section
 from dapo_jax.trainer import evaluate
 from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.tokenizers import CharTokenizer
@@ -33,6 +34,12 @@ def ckpt(tmp_path_factory):
                                      num_key_value_heads=4, seed=5)
   CharTokenizer().save(out)
   return out
+
+
+def _sampling_mesh(config):
+  return policy_lib.sampling_mesh(read_section(config, "mesh"),
+                                  read_section(config, "rollout_mesh"),
+                                  read_section(config, "dcn_mesh"))
 
 
 def _config(ckpt, *extra):
@@ -86,7 +93,7 @@ def _write_workdir(tmp_path, ckpt, policy):
 
 def test_hf_and_orbax_loads_land_tensor_split(ckpt, tmp_path):
   config = _config(ckpt)
-  mesh = policy_lib.sampling_mesh(config)
+  mesh = _sampling_mesh(config)
   assert dict(mesh.shape) == {"data": 2, "tensor": TENSOR}
   hf_policy = policy_lib.load_policy(config, mesh=mesh)
   total, per_device = _check_layout(hf_policy.params)
@@ -109,7 +116,7 @@ def test_sharded_avg_at_k_equals_one_device(ckpt):
   records = arithmetic.make_records(8, split="test", seed=0)
   one = policy_lib.load_policy(config, mesh=None)
   assert all(len(x.devices()) == 1 for x in jax.tree.leaves(one.params))
-  sharded = policy_lib.load_policy(config, mesh=policy_lib.sampling_mesh(config))
+  sharded = policy_lib.load_policy(config, mesh=_sampling_mesh(config))
   ref, ref_ev = evaluate.evaluate_policy(config, one, records)
   got, got_ev = evaluate.evaluate_policy(config, sharded, records)
   assert got_ev.last_texts == ref_ev.last_texts  # the same samples, token for token

@@ -145,7 +145,7 @@ from dapo_jax.trainer import dynamic_sampling, generation, objective
 from dapo_jax import rewards
 from dapo_jax.rollout import Sampler
 
-eval_records = run_setup.load_dataset(config.data.eval, config, "eval")
+eval_records = run_setup.load_dataset(spec.data.eval, spec.data, spec.seed, "eval")
 record = eval_records[0]
 print(repr(hf_tokenizer.apply_chat_template([{"role": "user", "content": record.prompt}],
                                             add_generation_prompt=True)))

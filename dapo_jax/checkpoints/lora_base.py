@@ -8,21 +8,23 @@ in one line instead of evaluating, serving or exporting the wrong model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
-
-def source(config: ml_collections.ConfigDict) -> str:
-  """The base as the config names it: the HF directory, or the preset and its seed."""
-  m = config.model
-  return m.checkpoint or f"preset {m.preset} (random init, seed {config.seed})"
+if TYPE_CHECKING:  # run_spec imports the trainer; this module stays light
+  from dapo_jax.spec.run_spec import ModelSpec
 
 
-def record(config: ml_collections.ConfigDict, base: Any) -> dict[str, Any]:
-  """``{"source", "fingerprint", "signature"}`` of ``base`` (the frozen base weights)."""
+def source(m: ModelSpec, seed: int) -> str:
+  """The base as ``m`` (the config's ``model``) names it: the HF directory, or the preset and
+  the run's ``seed``."""
+  return m.checkpoint or f"preset {m.preset} (random init, seed {seed})"
+
+
+def record(m: ModelSpec, seed: int, base: Any) -> dict[str, Any]:
+  """``{"source", "fingerprint", "signature"}`` of ``base`` (the frozen base weights; their
+  source as `source` names it)."""
   from dapo_jax.checkpoints import orbax_read  # pylint: disable=g-import-not-at-top
-  return {"source": source(config), **orbax_read.fingerprint_record(base)}
+  return {"source": source(m, seed), **orbax_read.fingerprint_record(base)}
 
 
 def check(where: str, saved: dict[str, Any] | None, have: dict[str, Any] | None,

@@ -75,8 +75,10 @@ def export(config, workdir: str, out: str, *, step: int | None = None,
            max_shard_bytes: int = 2 << 30) -> int:
   """Writes ``workdir``'s checkpoint (``step``, default the newest readable) to ``out`` as HF
   files; returns the step written. A model.lora run's adapters are merged into its base."""
-  policy = policy_lib.load_policy(config, workdir=workdir, step=step,
-                                  mesh=policy_lib.sampling_mesh(config))
+  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
+                                  read_section(config, "rollout_mesh"),
+                                  read_section(config, "dcn_mesh"))
+  policy = policy_lib.load_policy(config, workdir=workdir, step=step, mesh=mesh)
   dest = epath.Path(out)
   local = "://" not in out
   stage = out if local else tempfile.mkdtemp(prefix="dapo_export_")

@@ -88,10 +88,13 @@ def build_engine(fv):
   from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import factory  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
   config = fv.config
   libtpu_flags.apply(config)
   compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
-  mesh = policy_lib.sampling_mesh(config)
+  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
+                                  read_section(config, "rollout_mesh"),
+                                  read_section(config, "dcn_mesh"))
   model, tokenizer = load_model(config, workdir=cli.expand(fv.workdir), step=fv.step, mesh=mesh)
   tokenizer_path = config.tokenizer.path or config.model.checkpoint
   sampling = SamplingParams(temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k,

@@ -138,8 +138,9 @@ def provenance(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
   from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
   mesh = policy.mesh
   # A LoRA run's weights are its adapters merged into this base (checked by fingerprint).
-  adapters = ({"lora_base": lora_base.source(config)} if workdir and lora.LoRAConfig.from_config(
-      config.model.get("lora")).rank else {})
+  adapters = ({"lora_base": lora_base.source(read_section(config, "model"),
+                                             read_section(config, "seed"))}
+              if workdir and lora.LoRAConfig.from_config(config.model.get("lora")).rank else {})
   return {
       **adapters,
       "workdir": workdir or None,
@@ -175,8 +176,12 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   distributed.maybe_initialize()
   config = fv.config
   compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
-  config, policy = _config_and_params(fv, policy_lib.sampling_mesh(config))
-  records = run_setup.load_dataset(config.data.eval, config, "eval")
+  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
+                                  read_section(config, "rollout_mesh"),
+                                  read_section(config, "dcn_mesh"))
+  config, policy = _config_and_params(fv, mesh)
+  data = read_section(config, "data")
+  records = run_setup.load_dataset(data.eval, data, read_section(config, "seed"), "eval")
   summary, evaluator = evaluate_policy(config, policy, records)
   if jax.process_index() == 0:
     info = provenance(config, policy, cli.expand(fv.workdir))

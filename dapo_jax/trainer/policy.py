@@ -22,6 +22,7 @@ from dapo_jax.infra import run_files
 from dapo_jax.trainer import run_setup
 from dapo_jax.infra import sharding as shd
 from dapo_jax.models import abstract_model, create_model, lora
+from dapo_jax.spec.run_spec import Mesh as MeshAxes
 from dapo_jax.spec.run_spec import read_section
 
 
@@ -38,12 +39,11 @@ class Policy(NamedTuple):
     return nnx.merge(self.graphdef, self.params, self.rest)
 
 
-def sampling_mesh(config: ml_collections.ConfigDict) -> Mesh | None:
-  """``config.rollout_mesh`` (else ``config.mesh``) over every device; None on one device."""
-  if jax.device_count() == 1:
-    return None
-  return shd.make_mesh([tuple(a) for a in (config.get("rollout_mesh") or config.mesh)],
-                       dcn_axes=config.get("dcn_mesh"))
+def sampling_mesh(mesh: MeshAxes, rollout_mesh: MeshAxes = (), dcn_mesh: str = ""
+                  ) -> Mesh | None:
+  """``rollout_mesh`` (the config's; empty: its ``mesh``) over every device, its slices as
+  ``dcn_mesh`` says; None on one device."""
+  return run_setup.build_mesh(rollout_mesh or mesh, dcn_mesh)
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
@@ -119,7 +119,8 @@ def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, ste
   if base is not None:
     lora_base.check(
         f"{checkpoint_dir(workdir)} step {restored.step}", restored.meta.get("lora_base"),
-        lora_base.record(config, base), "pass the base it trained on "
+        lora_base.record(read_section(config, "model"), read_section(config, "seed"), base),
+        "pass the base it trained on "
         "(--config.model.checkpoint=<its HF directory>, or the run's --config.seed for a preset)")
   return restored.params, restored.step
 

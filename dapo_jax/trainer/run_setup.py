@@ -30,7 +30,8 @@ from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout, make_stream_opener
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
-from dapo_jax.spec.run_spec import EvalSpec, ModelSpec, RolloutSpec, RunSpec, TokenizerSpec
+from dapo_jax.spec.run_spec import (ArithmeticSpec, DataSpec, EvalSpec, ModelSpec, RolloutSpec,
+                                   RunSpec, TokenizerSpec)
 from dapo_jax.spec.run_spec import Mesh as MeshAxes
 from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
 from dapo_jax.trainer.trajectories import ScoredGroup
@@ -108,22 +109,21 @@ def build_model(m: ModelSpec, tokenizer_kind: str, tokenizer, mesh: Mesh | None,
   return create_model(model_config(m, tokenizer_kind, tokenizer), seed=seed, mesh=mesh)
 
 
-def _arith_config(config) -> arithmetic.ArithmeticConfig:
-  a = config.data.arithmetic
+def _arith_config(a: ArithmeticSpec) -> arithmetic.ArithmeticConfig:
   return arithmetic.ArithmeticConfig(min_digits=a.min_digits, max_digits=a.max_digits,
                                      min_operands=a.min_operands, max_operands=a.max_operands,
                                      ops=a.ops)
 
 
-def load_dataset(name: str, config: ml_collections.ConfigDict, split: str
-                 ) -> Sequence[MathRecord]:
-  """A dataset by config name: "arithmetic", a TFDS name, or a parquet/JSONL path."""
-  d = config.data
+def load_dataset(name: str, d: DataSpec, seed: int, split: str) -> Sequence[MathRecord]:
+  """A dataset by config name: "arithmetic", a TFDS name, or a parquet/JSONL path, read as
+  ``d`` (the config's ``data``) says; ``seed`` (the run's) draws the arithmetic train split (its
+  eval split is always seed 0)."""
   if name == "arithmetic":
     n = d.arithmetic.num_train if split == "train" else d.arithmetic.num_eval
     return arithmetic.make_records(n, split="train" if split == "train" else "test",
-                                   seed=config.seed if split == "train" else 0,
-                                   config=_arith_config(config))
+                                   seed=seed if split == "train" else 0,
+                                   config=_arith_config(d.arithmetic))
   base = name.split("/")[0]
   if base in TFDS_NAMES:
     from dapo_jax.data.builders import load_split  # pylint: disable=g-import-not-at-top
@@ -162,11 +162,12 @@ def stop_ids(stop_tokens: str, tokenizer) -> tuple[int, ...]:
   return tuple(tokenizer.eos_ids)
 
 
-def attention_fallback(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
-                       platform: str) -> str | None:
-  """Why ``attention_impl="auto"`` runs the XLA einsums over the training rows on an
-  accelerator (their [B, heads, T, S] scores cost memory and time), or None when it does not."""
-  t = config.data.max_prompt_length + config.rollout.max_response_length
+def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str | None:
+  """Why ``attention_impl="auto"`` runs the XLA einsums over the training rows of
+  ``max_length`` tokens (``spec.sizes.max_length``: data.max_prompt_length +
+  rollout.max_response_length) on an accelerator (their [B, heads, T, S] scores cost memory and
+  time), or None when it does not."""
+  t = max_length
   if mcfg.attention_impl != "auto" or attention.resolve_impl(
       "auto", platform=platform, dtype=mcfg.jnp_dtype, seq_len=t,
       head_dim=mcfg.dim_per_head) != "xla":
@@ -223,9 +224,10 @@ def reference_policy(config: ml_collections.ConfigDict, workdir, state: TrainSta
     checkpointer.close()
 
 
-def describe(config: ml_collections.ConfigDict, model: Any) -> str:
+def describe(m: ModelSpec, model: Any) -> str:
+  """One line naming ``model`` (``m.checkpoint``, else ``m.preset``), its size and the devices."""
   n = model.config.num_params()
-  return (f"model {config.model.checkpoint or config.model.preset}: {n / 1e6:.2f}M params, "
+  return (f"model {m.checkpoint or m.preset}: {n / 1e6:.2f}M params, "
           f"{jax.device_count()} devices ({jax.default_backend()})")
 
 
@@ -286,12 +288,13 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   mesh = build_mesh(spec.mesh, spec.dcn_mesh)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
-  _log.info(describe(config, model))
-  fallback = attention_fallback(config, model.config, jax.default_backend())
+  _log.info(describe(spec.model, model))
+  fallback = attention_fallback(spec.sizes.max_length, model.config, jax.default_backend())
   if fallback:
     _log.warning(fallback)
-  train_records = load_dataset(config.data.train, config, "train")
-  eval_records = load_dataset(config.data.eval, config, "eval") if config.data.eval else []
+  train_records = load_dataset(spec.data.train, spec.data, spec.seed, "train")
+  eval_records = (load_dataset(spec.data.eval, spec.data, spec.seed, "eval") if spec.data.eval
+                  else [])
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
@@ -340,14 +343,15 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
             step_fn=TrainStep(graphdef, tcfg, mesh),
             logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
             checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler,
-            lora_base=lora_base(config, state) if lcfg.rank else None)
+            lora_base=lora_base(spec.model, spec.seed, state) if lcfg.rank else None)
   return run, state
 
 
-def lora_base(config: ml_collections.ConfigDict, state: TrainState) -> dict[str, Any]:
-  """Where a LoRA run's frozen base comes from and the fingerprint of its weights."""
+def lora_base(m: ModelSpec, seed: int, state: TrainState) -> dict[str, Any]:
+  """Where a LoRA run's frozen base comes from (``m``: the run's model; ``seed``: a preset's
+  init) and the fingerprint of its weights."""
   from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
-  return base_lib.record(config, state.rest)
+  return base_lib.record(m, seed, state.rest)
 
 
 def check_lora_base(run: Run, meta: dict[str, Any]) -> None:
