@@ -305,6 +305,23 @@ def test_tpu_kernel_in_interpret_mode_matches_reference():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-2)
 
 
+def test_auto_picks_the_xla_path_on_tpu_where_the_kernels_cannot_tile_the_head():
+  """Mosaic tiles the TPU kernels' head_dim in lanes of 128: Qwen2.5-0.5B's 64 is refused by
+  libtpu ("divisible by 8 and 128"), so "auto" takes the XLA paged path there, and asking for a
+  TPU kernel names the setting."""
+  assert pa.resolve_paged_impl("auto", "tpu", head_dim=128) == "pallas_tpu"
+  assert pa.resolve_paged_impl("auto", "tpu", head_dim=64) == "xla"
+  assert pa.resolve_paged_impl("auto", "tpu") == "pallas_tpu"  # head_dim not known here
+  assert pa.resolve_paged_impl("auto", "gpu", head_dim=64) == "pallas_gpu"
+  for impl in ("pallas_tpu", "ragged_tpu"):
+    with pytest.raises(ValueError, match=f"rollout.attention_impl='{impl}' needs a head_dim"):
+      pa.resolve_paged_impl(impl, "tpu", head_dim=64)
+  q, c, dense = _paged_problem(2, 3, 4, 2, 16, 4, 8, [1, 13, 32])
+  with attention.compile_for("tpu"):  # head_dim 16: the reference runs, as it would on a TPU
+    out = pa.paged_decode_attention(q, c.k[0], c.v[0], c.table, c.length, impl="auto")
+  np.testing.assert_allclose(np.asarray(out), dense, atol=1e-5, rtol=1e-5)
+
+
 def test_gpu_kernel_in_interpret_mode_matches_reference():
   q, c, dense = _paged_problem(2, 3, 4, 2, 16, 4, 8, [1, 13, 32])
   out = pa.gpu_paged_attention(q, c.k[0], c.v[0], c.table, c.length, interpret=True)

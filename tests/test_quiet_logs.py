@@ -27,7 +27,7 @@ STEPS = 3
 # Not per step: the cache directory, the model, the launch's compile count, TensorStore's
 # one-line note of the credentials it uses (C++ logging, on stderr).
 FIXED_LINES = 5
-_STEP = re.compile(r"dapo_jax\.console_log: step (\d+)/%d \|" % STEPS)
+_STEP = re.compile(r"dapo_jax\.infra\.console_log: step (\d+)/%d \|" % STEPS)
 
 
 def _dapo_train() -> list[str]:

@@ -23,7 +23,10 @@ scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_
   converts it. It only runs compiled by libtpu: its interpret mode fails on CPU in jax 0.10.2
   ("'ReshapeTransform' object has no attribute 'indices'"); the "xla" reference reads the
   combined layout too (pass ``v=None``), which is how CPU tests check that layout's plumbing.
-* "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla.
+* "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla; on TPU with a head_dim that is not
+  a multiple of 128 (Qwen2.5-0.5B's 64), xla: Mosaic tiles the TPU kernels' last dimension in
+  lanes of 128 and refuses the block ("divisible by 8 and 128"). Asking for a TPU kernel with
+  such a head_dim is an error naming the setting.
 
 Under an activation mesh (the engine's), the kernels run per device in a `shard_map` over the
 pools' shard axis and KV heads (`attend_shards`): a custom call is opaque to XLA's partitioner.
@@ -47,18 +50,29 @@ PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
 RAGGED_BLOCKS = (128, 32)
 BLOCK_TOKENS = 256  # tokens per kernel compute block (and per step of the reference off CPU)
 BLOCK_TOKENS_CPU = 4096  # tokens per step of the reference loop on CPU
+TPU_LANES = 128  # the TPU kernels' head_dim must be a multiple of this (Mosaic's lane width)
 
 
 def _divisor_at_most(m: int, cap: int) -> int:
   return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
 
 
-def resolve_paged_impl(impl: str, platform: str | None = None) -> str:
+def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None
+                       ) -> str:
+  """The kernel ``impl`` means on ``platform`` (default: the one being compiled for) for heads
+  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit)."""
   if impl not in PAGED_IMPLS:
     raise ValueError(f"paged attention impl={impl!r}; choose one of {PAGED_IMPLS}.")
+  lanes_ok = head_dim is None or head_dim % TPU_LANES == 0
+  if impl in ("pallas_tpu", "ragged_tpu") and not lanes_ok:
+    raise ValueError(f"rollout.attention_impl={impl!r} needs a head_dim that is a multiple of "
+                     f"{TPU_LANES} (Mosaic's lane width); this model's is {head_dim}. Use "
+                     "'auto' (the XLA paged path there) or 'xla'.")
   if impl != "auto":
     return impl
   platform = platform or attention._backend()  # pylint: disable=protected-access
+  if platform == "tpu" and not lanes_ok:
+    return "xla"
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
@@ -226,7 +240,7 @@ def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: 
                            impl: str = "auto") -> jax.Array:
   """Decode attention over live pages with `impl` (module docstring); output like q.
   ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla")."""
-  impl = resolve_paged_impl(impl)
+  impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1])
   if (v_KxPxTxE is None) != (impl == "ragged_tpu") and impl != "xla":
     raise ValueError(f"paged attention impl={impl!r} takes "
                      f"{'a combined' if impl == 'ragged_tpu' else 'split K and V'} pool; the "
@@ -247,7 +261,7 @@ def attend_shards(q_SxNxHxE: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
   cannot partition: it would gather every operand, the whole pool included) runs under the
   active activation mesh in a `shard_map`: shards over the batch axes, KV heads (and their
   query heads) over `tensor` when both divide."""
-  impl = resolve_paged_impl(impl)
+  impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1])
   attend = lambda *a: paged_decode_attention(*a, impl=impl)
   ctx = shd._ACTIVATION_CTX.get()  # pylint: disable=protected-access
   if impl == "xla" or ctx is None or ctx.mesh.size == 1:

@@ -360,7 +360,8 @@ def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: Sampli
   info = {"slots": progs["slots"], "queue_prompts": progs["queue_prompts"]}
   if paged is not None:
     info["paged"] = {"pages_per_shard": paged.num_pages, "page_size": paged.page_size,
-                     "shards": paged.shards, "impl": attention_impl_on_target(paged.impl)}
+                     "shards": paged.shards,
+                     "impl": attention_impl_on_target(paged.impl, mcfg.dim_per_head)}
   if "oom" in progs:  # the state alone does not fit
     return _summary(None, progs["oom"], 0.0, parts, "engine_state", temp_known=0) | info
   compiled, oom, seconds = _compile(progs["chunk"])
@@ -372,7 +373,8 @@ def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: Sampli
   return _summary(compiled, oom, seconds, parts, "other_temp") | info
 
 
-def attention_impl_on_target(impl: str) -> str:
-  """The paged attention ``impl`` resolved for the platform being compiled for."""
+def attention_impl_on_target(impl: str, head_dim: int | None = None) -> str:
+  """The paged attention ``impl`` resolved for the platform being compiled for and the model's
+  ``head_dim``."""
   from dapo_jax.models import paged_attention  # pylint: disable=g-import-not-at-top
-  return paged_attention.resolve_paged_impl(impl)
+  return paged_attention.resolve_paged_impl(impl, head_dim=head_dim)
