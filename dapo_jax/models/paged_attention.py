@@ -60,17 +60,18 @@ def _divisor_at_most(m: int, cap: int) -> int:
 def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None
                        ) -> str:
   """The kernel ``impl`` means on ``platform`` (default: the one being compiled for) for heads
-  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit)."""
+  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit). A TPU kernel named for
+  a head_dim it cannot tile is an error when compiling for a TPU."""
   if impl not in PAGED_IMPLS:
     raise ValueError(f"paged attention impl={impl!r}; choose one of {PAGED_IMPLS}.")
+  platform = platform or attention._backend()  # pylint: disable=protected-access
   lanes_ok = head_dim is None or head_dim % TPU_LANES == 0
-  if impl in ("pallas_tpu", "ragged_tpu") and not lanes_ok:
+  if impl in ("pallas_tpu", "ragged_tpu") and not lanes_ok and platform == "tpu":
     raise ValueError(f"rollout.attention_impl={impl!r} needs a head_dim that is a multiple of "
                      f"{TPU_LANES} (Mosaic's lane width); this model's is {head_dim}. Use "
                      "'auto' (the XLA paged path there) or 'xla'.")
   if impl != "auto":
     return impl
-  platform = platform or attention._backend()  # pylint: disable=protected-access
   if platform == "tpu" and not lanes_ok:
     return "xla"
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
