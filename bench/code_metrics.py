@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LONG_FILE = 400
 
 
-def _modules(pkg: pathlib.Path) -> dict[str, pathlib.Path]:
+def modules(pkg: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every module under ``pkg`` (a package is its __init__)."""
   out = {}
   for path in sorted(pkg.rglob("*.py")):
     name = ".".join(path.relative_to(pkg.parent).with_suffix("").parts)
@@ -38,7 +39,9 @@ def _takes_config(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
   return False
 
 
-def _imports(tree: ast.AST, known: set[str]) -> set[str]:
+def imports(tree: ast.AST, known: set[str]) -> set[str]:
+  """dapo_jax modules ``tree`` imports at run time, at any depth (a function-level import is
+  still a dependency); ``if TYPE_CHECKING:`` blocks are left out (they never run)."""
   skip = {id(n) for node in ast.walk(tree)
           if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
           for stmt in node.body for n in ast.walk(stmt)}
@@ -55,7 +58,8 @@ def _imports(tree: ast.AST, known: set[str]) -> set[str]:
   return found & known
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Import cycles of ``graph`` (module -> the modules it imports), each as a path back."""
   state: dict[str, int] = {}
   out = []
 
@@ -76,7 +80,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def measure(root: pathlib.Path) -> dict:
   pkg = root / "dapo_jax"
-  mods = _modules(pkg)
+  mods = modules(pkg)
   known = set(mods)
   lines, config_fns, graph = {}, collections.Counter(), {}
   longest = ("", 0)
@@ -85,7 +89,7 @@ def measure(root: pathlib.Path) -> dict:
     tree = ast.parse(text)
     rel = str(path.relative_to(root))
     lines[rel] = len(text.splitlines())
-    graph[name] = _imports(tree, known) - {name}
+    graph[name] = imports(tree, known) - {name}
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         if _takes_config(node):
@@ -103,7 +107,7 @@ def measure(root: pathlib.Path) -> dict:
                                if n > LONG_FILE},
       "functions_taking_the_config": sum(config_fns.values()),
       "functions_taking_the_config_by_file": dict(config_fns.most_common()),
-      "import_cycles": [" -> ".join(c) for c in _cycles(graph)],
+      "import_cycles": [" -> ".join(c) for c in cycles(graph)],
       "longest_function": {"name": longest[0], "lines": longest[1]},
       "readme_lines": len(readme.read_text().splitlines()) if readme.exists() else None,
   }

@@ -2,12 +2,18 @@
 one role, imports only the roles below it, no two modules import each other (even through
 function-level imports), and a file over 400 lines says in its docstring why it is one piece.
 
-Reads the sources with `ast`; imports nothing of dapo_jax."""
+Reads the sources with `ast` (`bench/code_metrics.py`); imports nothing of dapo_jax."""
 
 import ast
+import os
 import pathlib
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+import code_metrics  # noqa: E402  pylint: disable=wrong-import-position
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "dapo_jax"
 MAX_LINES = 400
@@ -43,12 +49,7 @@ ROOT_MODULES = {"dapo_jax", "dapo_jax.config", "dapo_jax.main"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
-  out = {}
-  for path in sorted(PKG.rglob("*.py")):
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    name = ".".join(rel.parts)
-    out[name.removesuffix(".__init__")] = path
-  return out
+  return code_metrics.modules(PKG)
 
 
 def _role(module: str) -> str:
@@ -58,33 +59,11 @@ def _role(module: str) -> str:
   return parts[1]
 
 
-def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
-  """dapo_jax modules ``path`` imports at run time, at any depth (a function-level import is
-  still a dependency); ``if TYPE_CHECKING:`` blocks are left out (they never run)."""
-  tree = ast.parse(path.read_text())
-  skip: set[int] = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-      skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-  found = set()
-  for node in ast.walk(tree):
-    if id(node) in skip:
-      continue
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dapo_jax"):
-      for alias in node.names:
-        sub = f"{node.module}.{alias.name}"
-        found.add(sub if sub in known else node.module)
-    elif isinstance(node, ast.Import):
-      found.update(a.name for a in node.names if a.name.startswith("dapo_jax"))
-  return found & known
-
-
 def _graph() -> dict[str, set[str]]:
   mods = _modules()
   known = set(mods)
-  graph = {m: _imports(p, known) - {m} for m, p in mods.items()}
-  # A package's __init__ runs when any of its modules is imported: "imports a.b" implies "a".
-  return graph
+  return {m: code_metrics.imports(ast.parse(p.read_text()), known) - {m}
+          for m, p in mods.items()}
 
 
 def test_every_module_sits_in_a_role():
@@ -107,22 +86,7 @@ def test_roles_import_only_the_roles_below():
 
 
 def test_no_import_cycles():
-  graph = _graph()
-  state: dict[str, int] = {}  # 1: on the stack, 2: done
-  cycles = []
-
-  def visit(m, stack):
-    state[m] = 1
-    for d in sorted(graph[m]):
-      if state.get(d) == 1:
-        cycles.append(stack[stack.index(d):] + [d])
-      elif d not in state:
-        visit(d, stack + [d])
-    state[m] = 2
-
-  for m in sorted(graph):
-    if m not in state:
-      visit(m, [m])
+  cycles = code_metrics.cycles(_graph())
   assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -144,5 +108,6 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
                  "  from dapo_jax.trainer import train\n"
                  "def f():\n  from dapo_jax.infra import metrics\n")
   known = {"dapo_jax.trainer.train", "dapo_jax.infra.metrics", "dapo_jax.infra"}
-  assert _imports(src, known) == {"dapo_jax.infra.metrics"}
+  assert code_metrics.imports(ast.parse(src.read_text()), known) == {"dapo_jax.infra.metrics"}
+  assert code_metrics.cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a"]]
   assert _role("dapo_jax.infra.metrics") == "infra" and _role("dapo_jax") == "root"
