@@ -110,6 +110,18 @@ def test_read_section_reads_one_section_without_validating():
   assert read_section(config, "seed") == config.seed
 
 
+def test_read_gives_the_whole_spec_without_validating():
+  config = config_lib.default_config()
+  config.reward.overlong_buffer_len = 10 ** 6  # fails validation: a saved run is not re-judged
+  del config["rollout"]["stop_tokens"]  # an older config.json
+  with pytest.raises(ValueError, match="overlong_buffer_len"):
+    RunSpec.from_config(config)
+  spec = RunSpec.read(config)
+  assert spec.reward.overlong_buffer_len == 10 ** 6
+  assert spec.rollout == RunSpec.from_config(config_lib.default_config()).rollout
+  assert spec.sizes.max_length == config.data.max_prompt_length + config.rollout.max_response_length
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_every_shipped_config_reads_and_gives_the_trainers_update_settings(path):
   config = _load(path)

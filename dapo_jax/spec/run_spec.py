@@ -246,6 +246,13 @@ class RunSpec:
     config_lib.validate(config, num_devices)
     return _read(cls, config, "")
 
+  @classmethod
+  def read(cls, config: ml_collections.ConfigDict) -> RunSpec:
+    """The spec of a config without `from_config`'s validation: a workdir's ``config.json``
+    (validated by the run that wrote it, perhaps on other devices) read by ``dapo-eval``,
+    ``dapo-serve`` or ``dapo-export``; keys it lacks take today's defaults."""
+    return _read(cls, with_defaults(config), "")
+
   def train_config(self) -> TrainConfig:
     """The compiled update's settings (spec 4 and 6)."""
     a, o = self.algorithm, self.optim
