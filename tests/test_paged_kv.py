@@ -337,7 +337,9 @@ def test_ragged_kernel_compiles_for_tpu():
   n, h, kh, e, p, t, m = 8, 16, 8, 128, 64, 16, 8
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  with attention.compile_for("tpu"):
+  # The kernel asks the abstract mesh for its chip (else the default device: this host's CPU).
+  mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+  with attention.compile_for("tpu"), jax.set_mesh(mesh):
     lowered = jax.jit(pa.ragged_tpu_attention).lower(
         spec((n, h, e), jnp.bfloat16), spec((p, t, 2 * kh, e), jnp.bfloat16),
         spec((n, m), jnp.int32), spec((n,), jnp.int32))
