@@ -1,6 +1,6 @@
 r"""The paged decode-attention kernel on this machine's accelerator, checked and timed.
 
-    python bench/paged_kernel_check.py              # GPU: pallas_gpu, TPU: pallas_tpu, CPU: xla
+    python bench/paged_kernel_check.py              # GPU: pallas_gpu, TPU: ragged_tpu, CPU: xla
     python bench/paged_kernel_check.py --impl xla   # any backend: the pure-JAX reference
 
 Two checks, one JSON (bench/results/paged_kernel_check_<platform>.json):
@@ -65,6 +65,9 @@ def kernel_case(n, h, kh, e, t, capacity, mix_max, dtype, impl, iters, seed=0) -
   dense = jax.jit(lambda q, k, v, valid: attention.decode_attention(q, k, v, valid))
   paged = jax.jit(lambda q, k, v, tb, ln: pa.paged_decode_attention(q, k, v, tb, ln, impl=impl))
   args_p = (q, k, v, jnp.asarray(table), jnp.asarray(length))
+  if pa.uses_combined_pool(impl):  # the ragged kernel's [P, T, 2K, E]: head j's K at 2j, V 2j+1
+    kv = jnp.stack([k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)], axis=3)
+    args_p = (q, kv.reshape(pages, t, 2 * kh, e), None) + args_p[3:]
   args_d = (q, kd.transpose(0, 1, 3, 2), vd, valid)
   diff = float(jnp.abs(paged(*args_p).astype(jnp.float32)
                        - dense(*args_d).astype(jnp.float32)).max())

@@ -60,6 +60,27 @@ def test_combined_pool_holds_the_split_pools_tokens():
   assert float(jnp.abs(dense_c[0][1, :, :, 6] - new[1]).max()) == 0.0
 
 
+def test_ragged_call_is_read_as_the_kernels_own_reference_reads_it(monkeypatch):
+  """`ragged_tpu_attention`'s arguments (one query token per slot, sm_scale, lengths, page
+  table, and a stacked pool's layer as a page offset into its L x P pages) given to JAX's own
+  reference of the ragged kernel (`ref_ragged_paged_attention`, what the kernel computes) give
+  the reference paged attention's output for that layer."""
+  from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(rpa, "ragged_paged_attention", lambda *a, num_kv_pages_per_block,
+                      num_queries_per_block, **kw: rpa.ref_ragged_paged_attention(*a, **kw))
+  rng = np.random.default_rng(1)
+  layers, pages, t, kh, h, e, n = 2, 6, 4, 2, 4, 8, 3
+  pool = jnp.asarray(rng.normal(size=(layers, pages, t, 2 * kh, e)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(n, h, e)), jnp.float32)
+  table = jnp.array([[0, 3, -1], [2, -1, -1], [5, 1, 4]], jnp.int32)
+  length = jnp.array([6, 1, 11], jnp.int32)
+  flat = pool.reshape((layers * pages,) + pool.shape[2:])  # the stacked pool's L x P pages
+  for layer in range(layers):
+    want = pa.reference_paged_attention(q, pool[layer], None, table, length)
+    got = pa.ragged_tpu_attention(q, flat, jnp.maximum(table, 0) + layer * pages, length)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 def test_combined_pool_is_refused_by_a_split_kernel():
   with pytest.raises(ValueError, match="takes split K and V"):
     pa.paged_decode_attention(jnp.zeros((1, 2, 8)), jnp.zeros((4, 4, 2, 8)), None,

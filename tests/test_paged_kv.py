@@ -309,9 +309,9 @@ def test_auto_picks_the_xla_path_on_tpu_where_the_kernels_cannot_tile_the_head()
   """Mosaic tiles the TPU kernels' head_dim in lanes of 128: Qwen2.5-0.5B's 64 is refused by
   libtpu ("divisible by 8 and 128"), so "auto" takes the XLA paged path there, and asking for a
   TPU kernel names the setting."""
-  assert pa.resolve_paged_impl("auto", "tpu", head_dim=128) == "pallas_tpu"
+  assert pa.resolve_paged_impl("auto", "tpu", head_dim=128) == "ragged_tpu"
   assert pa.resolve_paged_impl("auto", "tpu", head_dim=64) == "xla"
-  assert pa.resolve_paged_impl("auto", "tpu") == "pallas_tpu"  # head_dim not known here
+  assert pa.resolve_paged_impl("auto", "tpu") == "ragged_tpu"  # head_dim not known here
   assert pa.resolve_paged_impl("auto", "gpu", head_dim=64) == "pallas_gpu"
   for impl in ("pallas_tpu", "ragged_tpu"):
     with pytest.raises(ValueError, match=f"rollout.attention_impl='{impl}' needs a head_dim"):

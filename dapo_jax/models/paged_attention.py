@@ -23,10 +23,14 @@ scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_
   converts it. It only runs compiled by libtpu: its interpret mode fails on CPU in jax 0.10.2
   ("'ReshapeTransform' object has no attribute 'indices'"); the "xla" reference reads the
   combined layout too (pass ``v=None``), which is how CPU tests check that layout's plumbing.
-* "auto": pallas_tpu on TPU, pallas_gpu on GPU, else xla; on TPU with a head_dim that is not
-  a multiple of 128 (Qwen2.5-0.5B's 64), xla: Mosaic tiles the TPU kernels' last dimension in
-  lanes of 128 and refuses the block ("divisible by 8 and 128"). Asking for a TPU kernel with
-  such a head_dim is an error naming the setting.
+* "auto": ragged_tpu on TPU, pallas_gpu on GPU, else xla. On TPU the ragged kernel reads a
+  scanned model's stacked pool in place (its L x P pages as one pool, the layer as a page
+  offset: `Attention.decode_paged`); "pallas_tpu" takes one layer's [K, P, T, E], which under
+  scanned layers is a slice XLA copies for the call, one layer's pool per layer and step (the
+  whole pool per decode step). On TPU with a head_dim that is not a multiple of 128
+  (Qwen2.5-0.5B's 64), xla: Mosaic tiles the TPU kernels' last dimension in lanes of 128 and
+  refuses the block ("divisible by 8 and 128"). Asking for a TPU kernel with such a head_dim is
+  an error naming the setting.
 
 Under an activation mesh (the engine's), the kernels run per device in a `shard_map` over the
 pools' shard axis and KV heads (`attend_shards`): a custom call is opaque to XLA's partitioner.
@@ -74,7 +78,7 @@ def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | N
     return impl
   if platform == "tpu" and not lanes_ok:
     return "xla"
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+  return {"tpu": "ragged_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
 def uses_combined_pool(impl: str, platform: str | None = None) -> bool:

@@ -239,15 +239,19 @@ def reserve_append(cache: PagedKVCache, active_N: jax.Array) -> tuple[PagedKVCac
   axis = cache.page_axis
 
   def copy(x: jax.Array) -> jax.Array:
-    idx = (slice(None),) * axis
     if not cache.combined:
+      idx = (slice(None),) * axis
       return x.at[idx + (dst_N,)].set(jnp.take(x, src_N, axis=axis), mode="drop")
     # Combined pools: token by token, (page, offset) pairs as `write_token` indexes them. Whole
     # pages ([T, 2K, E] windows) made XLA TPU lay the pool out anew for the scatter, copying it
     # twice per step (2K = 2 on a chip at tensor 8 is a thin tile).
-    rows = jnp.take(x, src_N, axis=axis)  # [.., N, T, 2K, E]
-    rows = rows.reshape(rows.shape[:axis] + (n * t,) + rows.shape[axis + 2:])
-    return x.at[idx + (jnp.repeat(dst_N, t), jnp.tile(jnp.arange(t), n))].set(rows, mode="drop")
+    # A stacked pool's layer is indexed too, as `write_token` does: with the layer axis a window
+    # of the gather and the scatter, libtpu laid the stacked pool out anew, three copies of it.
+    offsets = jnp.tile(jnp.arange(t), n)
+    rows_of = lambda pages: ((jnp.arange(x.shape[0])[:, None], pages[None], offsets[None])
+                             if cache.stacked else (pages, offsets))
+    rows = x[rows_of(jnp.repeat(src_N, t))]  # [(L,) N x T, 2K, E]
+    return x.at[rows_of(jnp.repeat(dst_N, t))].set(rows, mode="drop")
 
   copies = lambda pools: None if pools is None else (
       copy(pools) if cache.stacked else tuple(map(copy, pools)))
