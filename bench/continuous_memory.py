@@ -51,19 +51,18 @@ def main() -> None:
     argv = ["--config", os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py")] + argv
   fv = plan_lib._parse(argv)  # pylint: disable=protected-access
   plan_targets.prepare_libtpu_env(fv.target)
-  config = plan_lib.configure(fv)
-  libtpu_flags.apply(config)
+  spec = plan_lib.configure(fv)
+  libtpu_flags.apply(spec.tpu_windowed_einsum)
   target = plan_targets.parse_target(fv.target)
   if target.analytic:
     raise SystemExit(f"{fv.target}: no compiler for this target on this host.")
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import engine_programs  # pylint: disable=g-import-not-at-top
-  mcfg = plan_programs.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
   devices = list(target.devices)
-  train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
-  mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
-                                devices=devices)
-  _, tstate, _, _ = plan_programs._train_program(config, mcfg, train_mesh)  # pylint: disable=protected-access
+  train_mesh = shd.make_mesh([tuple(a) for a in spec.mesh], devices=devices)
+  mesh = shd.make_mesh([tuple(a) for a in (spec.rollout_mesh or spec.mesh)], devices=devices)
+  _, tstate, _, _ = plan_programs._train_program(spec, mcfg, train_mesh)  # pylint: disable=protected-access
   sh = shd.state_shardings(tstate, train_mesh, shd.TRAIN_RULES)
   state_bytes = (shd.per_device_bytes(tstate.params, sh.params)
                  + shd.per_device_bytes(tstate.opt_state, sh.opt_state))
@@ -71,8 +70,8 @@ def main() -> None:
     engine_programs.lower_chunk = _default_layout_chunk
   start = time.perf_counter()
   with attention.compile_for(target.kind):
-    r = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_programs.sampling_params(config, mcfg))
+    r = plan_programs.compile_continuous_rollout(
+        spec, mcfg, mesh, plan_programs.sampling_params(spec.rollout, mcfg))
   gib = lambda b: round(b / 2**30, 2)
   phase = state_bytes + (r.get("peak") or 0)
   out = {"target": fv.target, "slots": r.get("slots"),

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 import tiny_cpu  # noqa: E402  # pylint: disable=wrong-import-position
 
-from dapo_jax.spec.run_spec import read_section  # noqa: E402
+from dapo_jax.spec.run_spec import RunSpec, read_section  # noqa: E402
 from dapo_jax.trainer import logprob_gap, logprob_measure, run_setup  # noqa: E402
 from dapo_jax.infra import sharding as shd  # noqa: E402
 from dapo_jax.trainer.generation import render_batch  # noqa: E402
@@ -178,7 +178,7 @@ def update_logp(graphdef, params, rest, ids, mask, r):
 
 def train_logp(config, graphdef, params, rest, ids, mask, r, mesh=None):
   """`LogProbForward`: the trainer's old log-probs, on `mesh` (None: one device)."""
-  fwd = LogProbForward(graphdef, run_setup.train_config(config), mesh, rest=rest)
+  fwd = LogProbForward(graphdef, RunSpec.from_config(config).train_config(), mesh, rest=rest)
   if mesh is not None:
     params = jax.device_put(params, shd.state_shardings(params, mesh, shd.TRAIN_RULES))
   return fwd(params, ids, mask, r)[0]
@@ -244,7 +244,8 @@ def probes(dtype: str = "float32", *, small: bool = False, meshes: bool = True,
     c.mesh, c.rollout_mesh = [("fsdp", 8)], roll
     name = f"end to end: {engine} engine" + (" on data=2 x tensor=4" if roll else "")
     out.append((name + " vs training forward on fsdp=8",
-                logprob_measure.measure(c, params, records[:4], jax.random.key(1))))
+                logprob_measure.measure(RunSpec.from_config(c), params, records[:4],
+                                        jax.random.key(1))))
   return out
 
 

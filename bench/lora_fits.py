@@ -47,14 +47,14 @@ def analytic_target(spec: str) -> plan_targets.Target:
 
 def plan_row(preset: str, target: str, rank: int, prompts_per_call: int,
              config_file: str = CONFIG, extra: tuple[str, ...] = ()) -> dict:
-  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+  spec = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", config_file, "--target", "cpu:1", f"--config.model.preset={preset}",
       f"--config.model.lora.rank={rank}",
       f"--config.rollout.prompts_per_call={prompts_per_call}", *extra]))
-  plan = plan_lib.make_plan(config, analytic_target(target))
+  plan = plan_lib.make_plan(spec, analytic_target(target))
   return {"preset": preset, "target": target, "rank": rank,
           "prompts_per_call": prompts_per_call,
-          "rows_per_call": prompts_per_call * config.rollout.n,
+          "rows_per_call": prompts_per_call * spec.rollout.n,
           "fits": plan["fits"], "capacity_gib": plan["hbm_bytes"] / GiB,
           "peak_gib": plan["peak_bytes"] / GiB,
           "phases_gib": {k: v / GiB for k, v in plan["phase_peaks"].items()},
@@ -91,12 +91,12 @@ def rederive(path: str, config_file: str, overrides: tuple[str, ...],
   figures are the JSON's own)."""
   with open(path, encoding="utf-8") as f:
     plan = json.load(f)
-  config = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
+  spec = plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", config_file, "--target", "cpu:1", *overrides]))
   rollout = plan["rollout"] if static else plan.get("continuous_rollout", plan["rollout"])
   state = plan["train"]["state_bytes"]
-  mcfg = plan_programs.plan_model_config(config)
-  extra = est.lora_rollout_bytes(config, mcfg, plan["num_devices"], rollout["parts"]["params"])
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
+  extra = est.lora_rollout_bytes(spec, mcfg, plan["num_devices"], rollout["parts"]["params"])
   peaks = dict(plan["phase_peaks"])
   if extra:
     peaks.update(reshard=state + sum(extra.values()),

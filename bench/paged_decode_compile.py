@@ -81,16 +81,16 @@ def engine_chunk(args) -> None:
       "--config", "configs/dapo_qwen2_5_32b.py", "--target", target,
       f"--config.rollout.max_concurrent_decodes={args.slots}",
       "--config.mesh=data=1,fsdp=-1,tensor=8", f"--config.rollout.attention_impl={args.impl}"])
-  config = plan_lib.configure(flags)
+  spec = plan_lib.configure(flags)
   tgt = plan_targets.parse_target(target)
-  mcfg = plan_programs.plan_model_config(config).replace(num_hidden_layers=args.layers,
-                                                    scan_layers=bool(args.scan))
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer).replace(
+      num_hidden_layers=args.layers, scan_layers=bool(args.scan))
   mesh = shd.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 8)], devices=list(tgt.devices))
-  spec = plan_paged.engine_spec(config, mcfg, "tpu", 8, 4, tgt.hbm_bytes, 0)
-  spec = dataclasses.replace(spec, num_pages=args.pages)
+  paged = plan_paged.engine_spec(spec, mcfg, "tpu", 8, 4, tgt.hbm_bytes, 0)
+  paged = dataclasses.replace(paged, num_pages=args.pages)
   with attention.compile_for("tpu"):
-    c = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_programs.sampling_params(config, mcfg), spec)
+    c = plan_programs.compile_continuous_rollout(
+        spec, mcfg, mesh, plan_programs.sampling_params(spec.rollout, mcfg), paged)
   gib = 2**30
   print(f"{args.impl} chunk, {args.layers} layers, scan {bool(args.scan)}, {args.slots} slots, "
         f"{args.pages} pages/shard: engine state {c['parts']['engine_state'] / gib:.2f} GiB, "

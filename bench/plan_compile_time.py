@@ -29,6 +29,7 @@ ROW = ["--config", os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py"),
 
 def child(scan: bool, layers: int, argv: list[str]) -> dict:
   """One compile in this process; returns its figures."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, ROOT)
   from dapo_jax.infra import libtpu_flags  # pylint: disable=g-import-not-at-top
   from dapo_jax.planner import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -38,17 +39,18 @@ def child(scan: bool, layers: int, argv: list[str]) -> dict:
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   args = plan_lib._parse(argv)  # pylint: disable=protected-access
   plan_targets.prepare_libtpu_env(args.target)
-  config = plan_lib.configure(args)
-  config.model.scan_layers = scan
-  if layers:
-    config.model.overrides = dict(config.model.get("overrides") or {}, num_hidden_layers=layers)
-  libtpu_flags.apply(config)
+  spec = plan_lib.configure(args)
+  overrides = dict(spec.model.overrides, num_hidden_layers=layers) if layers else \
+      spec.model.overrides
+  spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, scan_layers=scan,
+                                                             overrides=overrides))
+  libtpu_flags.apply(spec.tpu_windowed_einsum)
   target = plan_targets.parse_target(args.target)
-  mcfg = plan_programs.plan_model_config(config)
-  mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=list(target.devices))
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
+  mesh = shd.make_mesh([tuple(a) for a in spec.mesh], devices=list(target.devices))
   start = time.perf_counter()
   with attention.compile_for(target.kind):
-    train = plan_programs.compile_train_step(config, mcfg, mesh)
+    train = plan_programs.compile_train_step(spec, mcfg, mesh)
   wall = time.perf_counter() - start
   usage = resource.getrusage(resource.RUSAGE_SELF)
   cpu = usage.ru_utime + usage.ru_stime

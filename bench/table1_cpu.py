@@ -216,11 +216,12 @@ def make_warm_start(seed: int, sft_steps: int, out: str) -> None:
   config.seed, config.sft.steps = seed, sft_steps
   stage = f"{out}.partial-{os.getpid()}"  # per process: shards may make the same one at once
   shutil.rmtree(stage, ignore_errors=True)
+  spec = RunSpec.from_config(config)
   with tempfile.TemporaryDirectory() as tmp:
-    run, state = run_setup.build_run(config, tmp)
+    run, state = run_setup.build_run(spec, tmp)
     with run:
-      state, metrics = sft.warm_start(RunSpec.from_config(config), run.graphdef, state,
-                                      run.tokenizer, run.train_records, run.mesh)
+      state, metrics = sft.warm_start(spec, run.graphdef, state, run.tokenizer,
+                                      run.train_records, run.mesh)
       model = nnx.merge(run.graphdef, state.params, state.rest)
       hf.save_pretrained(model, stage)
       run.tokenizer.save(stage)

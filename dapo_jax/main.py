@@ -44,7 +44,7 @@ def main(argv: Sequence[str]) -> dict[str, float]:
                       "starts a run, an existing one resumes it).")
   _setup_logging()
   from dapo_jax.infra import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
-  libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
+  libtpu_flags.apply(fv.config.get("tpu_windowed_einsum", False))  # before JAX starts
   distributed.maybe_initialize()
   # pylint: disable=g-import-not-at-top
   from dapo_jax import config as config_lib

@@ -93,15 +93,15 @@ def test_verl_warmup_and_micro_batch_loss_are_run_config_keys():
   """Issue 17 D3: both of verl's choices (docs/algorithm.md table) reach the compiled update
   from the command line; bad values name the field."""
   from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
-  from dapo_jax.trainer import run_setup
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "dapo_qwen2_5_32b.py")
   fv = cli.parse("dapo-train", "", [f"--config={path}", "--config.optim.warmup_style=verl",
                                     "--config.optim.micro_batch_loss=verl"])
   config_lib.validate(fv.config)
-  tcfg = run_setup.train_config(fv.config)
+  tcfg = RunSpec.from_config(fv.config).train_config()
   assert (tcfg.warmup_style, tcfg.micro_batch_loss) == ("verl", "verl")
-  default = run_setup.train_config(config_lib.default_config())
+  default = RunSpec.from_config(config_lib.default_config()).train_config()
   assert (default.warmup_style, default.micro_batch_loss) == ("paper", "exact")
   for field in ("warmup_style", "micro_batch_loss"):
     c = config_lib.default_config()

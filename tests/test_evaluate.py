@@ -10,6 +10,7 @@ from dapo_jax import config as config_lib
 from dapo_jax.trainer import evaluate
 from dapo_jax.data import arithmetic
 from dapo_jax.rewards.batch import RewardScorer
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.tokenizers import CharTokenizer
 
 
@@ -51,7 +52,8 @@ def test_evaluator_matches_hand_computed_metrics():
   c.data.max_prompt_length = 16
   c.rollout.max_response_length = 16
   with RewardScorer("strict", max_response_length=16, overlong_buffer_enable=False) as scorer:
-    ev = evaluate.Evaluator(c, _scripted_rollout(tok, script), tok, scorer, records)
+    ev = evaluate.Evaluator(RunSpec.read(c), _scripted_rollout(tok, script), tok, scorer,
+                            records)
     out = ev(params_state=None)
   assert out["eval/num_problems"] == 3 and out["eval/num_samples"] == 12
   assert out["eval/avg@4"] == pytest.approx((1 + 0.25 + 0) / 3)
@@ -163,7 +165,8 @@ def test_headline_is_a_key_of_the_summary(source, num_samples, expected_k, tmp_p
   tok = load_tokenizer(None, fallback="qwen2.5")
   answer = "204" if source == "aime" else dapo_rows_answer(2)  # one problem right
   with RewardScorer("strict", max_response_length=16, overlong_buffer_enable=False) as scorer:
-    ev = evaluate.Evaluator(c, _constant_rollout(tok, f"Answer: {answer}"), tok, scorer, records)
+    ev = evaluate.Evaluator(RunSpec.read(c), _constant_rollout(tok, f"Answer: {answer}"), tok,
+                            scorer, records)
     out = ev(params_state=None)
   assert ev.headline == f"eval/avg@{expected_k}"
   assert ev.headline in out

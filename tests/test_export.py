@@ -47,9 +47,10 @@ def test_export_round_trips_through_transformers(run_dir, tmp_path, monkeypatch,
       "Qwen2ForCausalLM"]
 
   from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
-  config = cli.get_config(run_dir)
-  step1 = policy_lib.load_policy(config, workdir=run_dir, step=1)
-  step2 = policy_lib.load_policy(config, workdir=run_dir, step=2)
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  spec = RunSpec.read(cli.get_config(run_dir))
+  step1 = policy_lib.load_policy(spec, workdir=run_dir, step=1)
+  step2 = policy_lib.load_policy(spec, workdir=run_dir, step=2)
   assert any(not np.array_equal(a, b) for a, b in  # the step asked for, not the newest
              zip(jax.tree.leaves(step1.params), jax.tree.leaves(step2.params)))
 

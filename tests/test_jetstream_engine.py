@@ -173,11 +173,10 @@ def test_serve_loads_trainer_orbax_checkpoint(ckpt, model, tmp_path):
   (workdir / "config.json").write_text(run_config.to_json_best_effort())
   fv = serve.parse_args([f"--workdir={workdir}", "--config.mesh=data=4,tensor=2"])
   from dapo_jax.trainer import policy  # pylint: disable=g-import-not-at-top
-  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
-  mesh = policy.sampling_mesh(read_section(fv.config, "mesh"),
-                              read_section(fv.config, "rollout_mesh"),
-                              read_section(fv.config, "dcn_mesh"))
-  restored, _ = serve.load_model(fv.config, workdir=fv.workdir, mesh=mesh)
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  spec = RunSpec.read(fv.config)  # as dapo-serve reads it
+  mesh = policy.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
+  restored, _ = serve.load_model(spec, workdir=fv.workdir, mesh=mesh)
   q = restored.layers[0].self_attn.q_proj.kernel.value
   assert q.addressable_shards[0].data.nbytes * 2 == q.nbytes  # restored tensor-split
   ids = jnp.asarray([PROMPT])

@@ -234,10 +234,10 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.weights import MergedRolloutWeights  # pylint: disable=g-import-not-at-top
   spec = RunSpec.from_config(config)
-  pol = policy_lib.load_policy(config, workdir=workdir, mesh=policy_lib.sampling_mesh(
+  pol = policy_lib.load_policy(spec, workdir=workdir, mesh=policy_lib.sampling_mesh(
       spec.mesh, spec.rollout_mesh, spec.dcn_mesh))
   graphdef, base, _, restored, step = policy_lib.lora_parts(
-      config, pol.tokenizer, workdir, None, pol.mesh)
+      spec, pol.tokenizer, workdir, None, pol.mesh)
   assert pol.step == step == 2
   for x, y in zip(jax.tree.leaves(restored), adapters):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -249,9 +249,9 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
   mesh = run_setup.build_mesh(spec.mesh, spec.dcn_mesh)
   model = run_setup.build_model(spec.model, spec.tokenizer.kind, pol.tokenizer, mesh, spec.seed)
   train_base = nnx.state(model, nnx.Param)
-  train_adapters, _ = policy_lib.restore_adapters(config, model, workdir, None, mesh,
-                                                  shd.TRAIN_RULES, base=train_base)
-  scale = config.model.lora.alpha / config.model.lora.rank
+  train_adapters, _ = policy_lib.restore_adapters(spec.model, spec.seed, model, workdir, None,
+                                                  mesh, shd.TRAIN_RULES, base=train_base)
+  scale = spec.model.lora.alpha / spec.model.lora.rank
   trainer = MergedRolloutWeights(model.config.jnp_param_dtype, run_setup.build_rollout_mesh(
       spec.rollout_mesh, spec.dcn_mesh, mesh), scale, base=train_base)(train_adapters)
   for x, y in zip(jax.tree.leaves(pol.params), jax.tree.leaves(trainer)):
@@ -259,12 +259,12 @@ def _check_policy_and_exports(config, workdir, adapters, tmp_path):
     assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
   # dapo-eval's evaluation: its samples are the adapted model's, not the base's.
   records = run_setup.load_dataset(spec.data.eval, spec.data, spec.seed, "eval")
-  lora_eval, ev = evaluate.evaluate_policy(config, pol, records)
+  lora_eval, ev = evaluate.evaluate_policy(spec, pol, records)
   texts = ev.last_texts
-  base_eval, ev = evaluate.evaluate_policy(config, pol._replace(params=base), records)
+  base_eval, ev = evaluate.evaluate_policy(spec, pol._replace(params=base), records)
   assert lora_eval["eval/num_samples"] == base_eval["eval/num_samples"] == 32
   assert sum(x != y for x, y in zip(texts, ev.last_texts)) > len(texts) // 2
-  line = evaluate.describe(evaluate.provenance(config, pol, workdir))
+  line = evaluate.describe(evaluate.provenance(spec, pol, workdir))
   assert "step 2 of" in line and "LoRA adapters merged into preset" in line, line
   merged, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
   export.main([f"--workdir={workdir}", f"--out={merged}"])
@@ -287,7 +287,7 @@ def _check_other_base_is_refused(config, workdir):
                                            allow_config_change=("model.checkpoint",)),
       "dapo-eval": lambda: evaluate.main([f"--workdir={workdir}",
                                           f"--config.model.checkpoint={other}"]),
-      "dapo-serve": lambda: serve.load_model(config, workdir=workdir)}
+      "dapo-serve": lambda: serve.load_model(RunSpec.from_config(config), workdir=workdir)}
   for name, launch in launches.items():
     with pytest.raises(ValueError, match="holds LoRA adapters of the base") as err:
       launch()

@@ -29,7 +29,7 @@ def _worker(ckpt: str, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from dapo_jax.trainer import evaluate, run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.trainer import policy
-  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   from dapo_jax.rewards import batch  # pylint: disable=g-import-not-at-top
   scored = []
   real_call = batch.RewardScorer.__call__
@@ -40,12 +40,11 @@ def _worker(ckpt: str, out: str) -> None:
 
   batch.RewardScorer.__call__ = counting_call
   config = evaluate._parse([f"--config.model.checkpoint={ckpt}", *ARGS]).config  # pylint: disable=protected-access
-  mesh = policy.sampling_mesh(read_section(config, "mesh"), read_section(config, "rollout_mesh"),
-                              read_section(config, "dcn_mesh"))
-  pol = policy.load_policy(config, mesh=mesh)
-  data = read_section(config, "data")
-  records = run_setup.load_dataset(data.eval, data, read_section(config, "seed"), "eval")
-  summary, ev = evaluate.evaluate_policy(config, pol, records)
+  spec = RunSpec.read(config)  # as dapo-eval reads it
+  mesh = policy.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
+  pol = policy.load_policy(spec, mesh=mesh)
+  records = run_setup.load_dataset(spec.data.eval, spec.data, spec.seed, "eval")
+  summary, ev = evaluate.evaluate_policy(spec, pol, records)
   with open(os.path.join(out, f"worker{jax.process_index()}.json"), "w") as f:
     json.dump({"summary": summary, "texts": ev.last_texts, "rows_scored": sum(scored),
                "devices": jax.device_count()}, f)

@@ -18,9 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 
-def _config(name, *extra):
+def _spec(name, *extra):
+  """The run spec dapo-plan builds for ``configs/<name>`` with the flags ``extra``."""
   return plan_lib.configure(plan_lib._parse([  # pylint: disable=protected-access
       "--config", os.path.join(CONFIGS, name), "--target", "cpu:8", *extra]))
+
+
+def _replace(spec, section, **changes):
+  """``spec`` with ``changes`` to one of its sections (a spec is frozen)."""
+  return dataclasses.replace(spec, **{section: dataclasses.replace(getattr(spec, section),
+                                                                   **changes)})
 
 
 def test_mix_is_the_long_tail_benchs():
@@ -44,17 +51,17 @@ def test_mix_is_the_long_tail_benchs():
 def test_closed_form_by_hand():
   """Tiny shapes, every response at R: pool, pages per busy slot, slots that fit, bytes per
   step and steps, each against the arithmetic written out."""
-  config = _config("tiny_cpu.py", "--config.mesh=data=2,fsdp=2,tensor=2",
-                   "--config.rollout.max_concurrent_decodes=16")
-  with config.unlocked():
-    config.data.max_prompt_length = 20  # pages of 8: two full prompt pages and a partial one
-    config.rollout.page_size, config.rollout.kv_hbm_fraction = 8, 0.5
-  mcfg = plan_programs.plan_model_config(config)
-  r, g = config.rollout.max_response_length, config.rollout.n
-  assert (r, g, config.algorithm.gen_batch_size) == (32, 8, 32)
+  spec = _spec("tiny_cpu.py", "--config.mesh=data=2,fsdp=2,tensor=2",
+               "--config.rollout.max_concurrent_decodes=16")
+  # Pages of 8: two full prompt pages and a partial one.
+  spec = _replace(spec, "data", max_prompt_length=20)
+  spec = _replace(spec, "rollout", page_size=8, kv_hbm_fraction=0.5)
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
+  r, g = spec.rollout.max_response_length, spec.rollout.n
+  assert (r, g, spec.algorithm.gen_batch_size) == (32, 8, 32)
   chip = plan_est.Chip(flops_per_s=1e12, hbm_bytes_per_s=1e9, source="by hand")
   mib = 2**20
-  e = plan_paged.estimate(config, mcfg, chip, 8, 10 * mib, 2 * mib,
+  e = plan_paged.estimate(spec, mcfg, chip, 8, 10 * mib, 2 * mib,
                           mix=plan_paged.LengthMix(at_max=1.0))
   # One token's K and V on a chip: 4 layers x (K, V) x 1 of 2 KV heads x 32 x 4 bytes.
   assert e["kv_bytes_per_token"] == 4 * 2 * 1 * 32 * 4 == 1024
@@ -98,9 +105,8 @@ def test_closed_form_by_hand():
   # 2 x 20 / 8: 4 MiB / (57 x 1024 B) = 71 slots a shard.
   assert e["dense_fit"]["slots"] == 71 * 4
   # A fixed pool (rollout.kv_pages) overrides the budget; too small for one sample, none fit.
-  with config.unlocked():
-    config.rollout.kv_pages = 6
-  small = plan_paged.estimate(config, mcfg, chip, 8, 10 * mib, 2 * mib,
+  small = plan_paged.estimate(_replace(spec, "rollout", kv_pages=6), mcfg, chip, 8, 10 * mib,
+                              2 * mib,
                               mix=plan_paged.LengthMix(at_max=1.0))
   assert small["pool_pages"] == 6 and small["slots_fit_per_shard"] == 0
   assert "paged_fit" not in small
@@ -143,26 +149,26 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
       "--config.data.max_prompt_length=64", "--config.rollout.engine=continuous",
       "--config.rollout.max_concurrent_decodes=8", "--config.mesh=data=2,fsdp=1,tensor=2",
       "--config.rollout.page_size=16", f"--config.rollout.attention_impl={impl}"])
-  config = plan_lib.configure(args)
-  config.model.overrides = dict(num_hidden_layers=1, head_dim=128)
+  spec = _replace(plan_lib.configure(args), "model",
+                  overrides=dict(num_hidden_layers=1, head_dim=128))
   target = plan_targets.parse_target(args.target)
-  mcfg = plan_programs.plan_model_config(config)
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
   mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=list(target.devices))
   page_bytes = 16 * plan_paged.kv_bytes_per_token(mcfg, 2)
   assert page_bytes == 16 * 1 * 2 * 128 * 2  # 1 layer, K and V, 1 of 2 KV heads, bf16
-  roomy = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
-  queue = max(2, -(-2 * 8 // config.rollout.n))  # the sampler's queued prompts of 4 pages
+  roomy = plan_paged.engine_spec(spec, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
+  queue = max(2, -(-2 * 8 // spec.rollout.n))  # the sampler's queued prompts of 4 pages
   # The cap: a shard's 4 of the 8 slots x 8 pages (128 tokens), the queue's prompts, + 1.
   assert roomy.num_pages == 4 * 8 + queue * 4 + 1
   resident = target.hbm_bytes - 2**18  # 0.25 MiB left: 0.225 MiB of pages, below the cap
-  spec = plan_paged.engine_spec(config, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
-  assert spec.num_pages == int(0.9 * 2**18) // page_bytes == 28 < roomy.num_pages
-  assert spec.shards == 2
+  paged = plan_paged.engine_spec(spec, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
+  assert paged.num_pages == int(0.9 * 2**18) // page_bytes == 28 < roomy.num_pages
+  assert paged.shards == 2
   # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
-  spec = dataclasses.replace(spec, num_pages=8192)
+  paged = dataclasses.replace(paged, num_pages=8192)
   with attention.compile_for("tpu"):
-    c = plan_programs.compile_continuous_rollout(config, mcfg, mesh,
-                                            plan_programs.sampling_params(config, mcfg), spec)
+    c = plan_programs.compile_continuous_rollout(
+        spec, mcfg, mesh, plan_programs.sampling_params(spec.rollout, mcfg), paged)
   assert "oom" not in c and c["paged"] == {"pages_per_shard": 8192, "page_size": 16,
                                            "shards": 2, "impl": impl}
   pool = 8192 * page_bytes  # per chip: its shard's pool, its KV head (64 MiB)

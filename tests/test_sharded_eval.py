@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dapo_jax.spec import cli
-from dapo_jax.spec.run_spec import read_section
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer import evaluate
 from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.tokenizers import CharTokenizer
@@ -36,18 +36,18 @@ def ckpt(tmp_path_factory):
   return out
 
 
-def _sampling_mesh(config):
-  return policy_lib.sampling_mesh(read_section(config, "mesh"),
-                                  read_section(config, "rollout_mesh"),
-                                  read_section(config, "dcn_mesh"))
+def _sampling_mesh(spec):
+  return policy_lib.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
 
 
-def _config(ckpt, *extra):
-  return evaluate._parse([f"--config.model.checkpoint={ckpt}", "--config.data.eval=arithmetic",  # pylint: disable=protected-access
-                          "--config.data.arithmetic.num_eval=8", "--config.eval.num_samples=4",
-                          "--config.eval.batch_size=4", "--config.rollout.max_response_length=8",
-                          "--config.data.max_prompt_length=16", "--config.tokenizer.kind=char",
-                          "--config.mesh=data=2,tensor=4", *extra]).config
+def _spec(ckpt, *extra):
+  """The spec dapo-eval reads from these flags."""
+  fv = evaluate._parse([f"--config.model.checkpoint={ckpt}", "--config.data.eval=arithmetic",  # pylint: disable=protected-access
+                        "--config.data.arithmetic.num_eval=8", "--config.eval.num_samples=4",
+                        "--config.eval.batch_size=4", "--config.rollout.max_response_length=8",
+                        "--config.data.max_prompt_length=16", "--config.tokenizer.kind=char",
+                        "--config.mesh=data=2,tensor=4", *extra])
+  return RunSpec.read(fv.config)
 
 
 def _per_device_bytes(params):
@@ -92,18 +92,18 @@ def _write_workdir(tmp_path, ckpt, policy):
 
 
 def test_hf_and_orbax_loads_land_tensor_split(ckpt, tmp_path):
-  config = _config(ckpt)
-  mesh = _sampling_mesh(config)
+  spec = _spec(ckpt)
+  mesh = _sampling_mesh(spec)
   assert dict(mesh.shape) == {"data": 2, "tensor": TENSOR}
-  hf_policy = policy_lib.load_policy(config, mesh=mesh)
+  hf_policy = policy_lib.load_policy(spec, mesh=mesh)
   total, per_device = _check_layout(hf_policy.params)
   print(f"params {total} B in total, {per_device} B per device (tensor={TENSOR})")
 
-  workdir = _write_workdir(tmp_path, ckpt, policy_lib.load_policy(config, mesh=None))
+  workdir = _write_workdir(tmp_path, ckpt, policy_lib.load_policy(spec, mesh=None))
   for dtype in ("float32", "bfloat16"):  # bf16: the fp32 checkpoint is cast while read
     fv = evaluate._parse([f"--workdir={workdir}", "--config.mesh=data=2,tensor=4",  # pylint: disable=protected-access
                           f"--config.model.param_dtype={dtype}", f"--config.model.dtype={dtype}"])
-    restored = policy_lib.load_policy(fv.config, workdir=fv.workdir, mesh=mesh)
+    restored = policy_lib.load_policy(RunSpec.read(fv.config), workdir=fv.workdir, mesh=mesh)
     _check_layout(restored.params)
     ref = jax.tree.leaves(hf_policy.params)
     for a, b in zip(jax.tree.leaves(restored.params), ref):
@@ -112,13 +112,13 @@ def test_hf_and_orbax_loads_land_tensor_split(ckpt, tmp_path):
 
 
 def test_sharded_avg_at_k_equals_one_device(ckpt):
-  config = _config(ckpt)
+  spec = _spec(ckpt)
   records = arithmetic.make_records(8, split="test", seed=0)
-  one = policy_lib.load_policy(config, mesh=None)
+  one = policy_lib.load_policy(spec, mesh=None)
   assert all(len(x.devices()) == 1 for x in jax.tree.leaves(one.params))
-  sharded = policy_lib.load_policy(config, mesh=_sampling_mesh(config))
-  ref, ref_ev = evaluate.evaluate_policy(config, one, records)
-  got, got_ev = evaluate.evaluate_policy(config, sharded, records)
+  sharded = policy_lib.load_policy(spec, mesh=_sampling_mesh(spec))
+  ref, ref_ev = evaluate.evaluate_policy(spec, one, records)
+  got, got_ev = evaluate.evaluate_policy(spec, sharded, records)
   assert got_ev.last_texts == ref_ev.last_texts  # the same samples, token for token
   assert got == ref and got["eval/num_samples"] == 32
   assert json.dumps(got_ev.last_rows, default=str) == json.dumps(ref_ev.last_rows, default=str)

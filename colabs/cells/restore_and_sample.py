@@ -96,7 +96,7 @@ from dapo_jax.spec.run_spec import RunSpec
 
 with open(os.path.join(workdir, "config.json")) as f:
   config = ml_collections.ConfigDict(json.load(f))
-spec = RunSpec.from_config(config)
+spec = RunSpec.read(config)  # as saved (the run validated it), missing keys at their defaults
 tokenizer = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
 graphdef, abstract_params = nnx.split(abstract_model(
     run_setup.model_config(spec.model, spec.tokenizer.kind, tokenizer)))
@@ -190,10 +190,11 @@ from dapo_jax.trainer.evaluate import Evaluator, problem_id
 config.eval.num_samples = eval_k
 config.eval.max_examples = eval_examples
 config.eval.batch_size = min(config.eval.batch_size, eval_examples)
-with rewards.RewardScorer(config.reward.verifier,
-                          max_response_length=config.rollout.max_response_length,
+spec = RunSpec.read(config)  # the run's settings with these eval ones
+with rewards.RewardScorer(spec.reward.verifier,
+                          max_response_length=spec.rollout.max_response_length,
                           overlong_buffer_enable=False, num_workers=1) as scorer:
-  evaluator = Evaluator(config, sampler.generate, hf_tokenizer, scorer, eval_records)
+  evaluator = Evaluator(spec, sampler.generate, hf_tokenizer, scorer, eval_records)
   summary = evaluator(hf_params)
 problems = {problem_id(rec): rec for rec in eval_records}
 table = [dict(row, problem=problems[row["problem_id"]].prompt,

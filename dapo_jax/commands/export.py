@@ -23,7 +23,7 @@ from absl import flags
 from etils import epath
 
 from dapo_jax.spec import cli
-from dapo_jax.spec.run_spec import read_section
+from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer import policy as policy_lib
 from dapo_jax.checkpoints import hf
 
@@ -43,24 +43,24 @@ def _define(fv) -> None:
   flags.mark_flags_as_required(["workdir", "out"], flag_values=fv)
 
 
-def export_peft(config, workdir: str, out: str, *, step: int | None = None) -> int:
-  """Writes a LoRA run's adapters (``step``, default the newest readable) to ``out`` as a peft
-  adapter directory; returns the step written."""
+def export_peft(spec: RunSpec, workdir: str, out: str, *, step: int | None = None) -> int:
+  """Writes the adapters of a LoRA run (``spec``, its config.json's) at ``step`` (default the
+  newest readable) to ``out`` as a peft adapter directory; returns the step written."""
   from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import peft_adapter  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import abstract_model, lora  # pylint: disable=g-import-not-at-top
-  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  m, tok = spec.model, spec.tokenizer
+  lcfg = lora.LoRAConfig.from_config(m.lora)
   if not lcfg.rank:
     raise ValueError(f"--peft: {workdir} trained every parameter (model.lora.rank=0), so it has "
                      "no adapters; export it without --peft.")
-  model_spec, tok = read_section(config, "model"), read_section(config, "tokenizer")
-  tokenizer = run_setup.build_tokenizer(tok, model_spec.checkpoint)
-  model = abstract_model(run_setup.model_config(model_spec, tok.kind, tokenizer))
-  adapters, step = policy_lib.restore_adapters(config, model, workdir, step)
+  tokenizer = run_setup.build_tokenizer(tok, m.checkpoint)
+  model = abstract_model(run_setup.model_config(m, tok.kind, tokenizer))
+  adapters, step = policy_lib.restore_adapters(m, spec.seed, model, workdir, step)
   stage = out if "://" not in out else tempfile.mkdtemp(prefix="dapo_export_")
   try:
     if jax.process_index() == 0:
-      peft_adapter.save_peft_adapter(adapters, lcfg, stage, base_model=config.model.checkpoint)
+      peft_adapter.save_peft_adapter(adapters, lcfg, stage, base_model=m.checkpoint)
       if stage != out:
         epath.Path(out).mkdir(parents=True, exist_ok=True)
         for name in sorted(os.listdir(stage)):
@@ -71,19 +71,18 @@ def export_peft(config, workdir: str, out: str, *, step: int | None = None) -> i
   return step
 
 
-def export(config, workdir: str, out: str, *, step: int | None = None,
+def export(spec: RunSpec, workdir: str, out: str, *, step: int | None = None,
            max_shard_bytes: int = 2 << 30) -> int:
   """Writes ``workdir``'s checkpoint (``step``, default the newest readable) to ``out`` as HF
-  files; returns the step written. A model.lora run's adapters are merged into its base."""
-  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
-                                  read_section(config, "rollout_mesh"),
-                                  read_section(config, "dcn_mesh"))
-  policy = policy_lib.load_policy(config, workdir=workdir, step=step, mesh=mesh)
+  files, as ``spec`` (its config.json's, with the command's overrides) lays out and casts it;
+  returns the step written. A model.lora run's adapters are merged into its base."""
+  mesh = policy_lib.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
+  policy = policy_lib.load_policy(spec, workdir=workdir, step=step, mesh=mesh)
   dest = epath.Path(out)
   local = "://" not in out
   stage = out if local else tempfile.mkdtemp(prefix="dapo_export_")
   try:
-    tok_dir = config.tokenizer.path or config.model.checkpoint or None
+    tok_dir = spec.tokenizer.path or spec.model.checkpoint or None
     hf.save_pretrained(policy.model, stage, max_shard_bytes=max_shard_bytes,
                        tokenizer_dir=tok_dir)
     if jax.process_index() == 0:
@@ -110,15 +109,15 @@ def main(argv: Sequence[str]) -> str:
   from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   workdir, out = cli.expand(fv.workdir), cli.expand(fv.out)
+  spec = RunSpec.read(fv.config)  # the run's saved config, not judged again
   if fv.peft:
-    step = export_peft(fv.config, workdir, out, step=fv.step)
+    step = export_peft(spec, workdir, out, step=fv.step)
   else:
-    step = export(fv.config, workdir, out, step=fv.step,
-                  max_shard_bytes=fv.max_shard_gib << 30)
+    step = export(spec, workdir, out, step=fv.step, max_shard_bytes=fv.max_shard_gib << 30)
   if jax.process_index() == 0:
     print(f"dapo-export: wrote step {step} of {workdir} "
           f"({policy_lib.checkpoint_dir(workdir) / str(step)}) to {out} "
-          f"({fv.config.model.param_dtype})", flush=True)
+          f"({spec.model.param_dtype})", flush=True)
   return out
 
 

@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 from concurrent import futures
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import jax
 from absl import flags
@@ -46,6 +46,9 @@ from dapo_jax.infra import libtpu_flags
 
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+  from dapo_jax.spec.run_spec import RunSpec
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 # A prompt longer than this many characters per prefill token is refused before tokenizing.
@@ -74,32 +77,31 @@ def _delete_pytree(tree: Any) -> None:
       leaf.delete()
 
 
-def load_model(config, *, workdir: str | None = None, step: int | None = None,
+def load_model(spec: RunSpec, *, workdir: str | None = None, step: int | None = None,
                mesh=None) -> tuple[Qwen2ForCausalLM, Any]:
-  """(model, tokenizer): `workdir`'s Orbax checkpoint, else the HF `config.model.checkpoint`,
+  """(model, tokenizer): `workdir`'s Orbax checkpoint, else the HF `spec.model.checkpoint`,
   params in the sampling layout on `mesh`."""
   from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
-  policy = policy_lib.load_policy(config, workdir=workdir, step=step, mesh=mesh)
+  policy = policy_lib.load_policy(spec, workdir=workdir, step=step, mesh=mesh)
   return policy.model, policy.tokenizer
 
 
 def build_engine(fv):
   """The `QwenEngine` the flags describe, sharded over every device by the config's mesh."""
   from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
-  from dapo_jax.rollout import factory  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.jetstream_engine import QwenEngine  # pylint: disable=g-import-not-at-top
-  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
-  config = fv.config
-  libtpu_flags.apply(config)
-  compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
-  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
-                                  read_section(config, "rollout_mesh"),
-                                  read_section(config, "dcn_mesh"))
-  model, tokenizer = load_model(config, workdir=cli.expand(fv.workdir), step=fv.step, mesh=mesh)
-  tokenizer_path = config.tokenizer.path or config.model.checkpoint
+  from dapo_jax.spec import run_spec  # pylint: disable=g-import-not-at-top
+  libtpu_flags.apply(fv.config.get("tpu_windowed_einsum", False))
+  spec = run_spec.RunSpec.read(fv.config)  # a workdir's saved config is not judged again
+  workdir = cli.expand(fv.workdir)
+  compile_cache.setup(spec.compilation_cache_dir, workdir)
+  mesh = policy_lib.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
+  model, tokenizer = load_model(spec, workdir=workdir, step=fv.step, mesh=mesh)
+  tokenizer_path = spec.tokenizer.path or spec.model.checkpoint
   sampling = SamplingParams(temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k,
                             max_new_tokens=fv.max_new_tokens)
-  kv = factory.kv_cache_args(config)
+  kv = run_setup.kv_cache_args(spec.rollout)
   del kv["kv_hbm_fraction"]  # the pool holds every slot at full length (QwenEngine, kv_pages)
   return QwenEngine(model, tokenizer, max_concurrent_decodes=fv.max_concurrent_decodes,
                     max_prefill_length=fv.max_prefill_length, sampling=sampling,

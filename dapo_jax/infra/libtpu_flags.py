@@ -10,9 +10,9 @@ layer at fsdp 4 to 1.27 GB at fsdp 8 and 16, and with the loops off drop to 0.24
 may be faster where memory allows.
 
 Every command that compiles for a TPU (dapo-train, dapo-eval, dapo-serve, dapo-plan) applies the
-config's options before JAX starts its backends, so the plan compiles the program the trainer
-runs. An option the environment already sets in ``LIBTPU_INIT_ARGS`` wins. The variable is read
-by libtpu only: CPU and GPU runs ignore it.
+config's options (`apply`, given ``tpu_windowed_einsum``) before JAX starts its backends, so the
+plan compiles the program the trainer runs. An option the environment already sets in
+``LIBTPU_INIT_ARGS`` wins. The variable is read by libtpu only: CPU and GPU runs ignore it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import logging
 import os
 from typing import MutableMapping
 
-import ml_collections
-
 _log = logging.getLogger(__name__)
 
 ENV = "LIBTPU_INIT_ARGS"
@@ -30,26 +28,26 @@ WINDOWED_EINSUM_OFF = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
                        "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 
 
-def options(config: ml_collections.ConfigDict) -> list[str]:
-  """The libtpu options the config asks for."""
-  windowed = config.get("tpu_windowed_einsum", False)
-  if not isinstance(windowed, bool):
-    raise ValueError(f"config.tpu_windowed_einsum must be True or False, got {windowed!r}.")
-  return [] if windowed else list(WINDOWED_EINSUM_OFF)
+def options(windowed_einsum: bool) -> list[str]:
+  """The libtpu options for ``config.tpu_windowed_einsum`` = ``windowed_einsum``."""
+  if not isinstance(windowed_einsum, bool):
+    raise ValueError(f"config.tpu_windowed_einsum must be True or False, got "
+                     f"{windowed_einsum!r}.")
+  return [] if windowed_einsum else list(WINDOWED_EINSUM_OFF)
 
 
 def _name(option: str) -> str:
   return option.split("=", 1)[0]
 
 
-def apply(config: ml_collections.ConfigDict,
-          environ: MutableMapping[str, str] | None = None) -> list[str]:
-  """Appends the config's options to ``LIBTPU_INIT_ARGS`` (not those the variable already
-  names); returns the options added. Call before anything asks JAX for devices."""
+def apply(windowed_einsum: bool, environ: MutableMapping[str, str] | None = None) -> list[str]:
+  """Appends the `options` for ``config.tpu_windowed_einsum`` = ``windowed_einsum`` to
+  ``LIBTPU_INIT_ARGS`` (not those the variable already names); returns the options added. Call
+  before anything asks JAX for devices."""
   environ = os.environ if environ is None else environ
   current = environ.get(ENV, "").split()
   have = {_name(o) for o in current}
-  added = [o for o in options(config) if _name(o) not in have]
+  added = [o for o in options(windowed_einsum) if _name(o) not in have]
   if added:
     environ[ENV] = " ".join(current + added)
     if environ is os.environ and _backends_started():

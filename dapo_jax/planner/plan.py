@@ -22,20 +22,18 @@ implied MFU. It leaves out communication and host time.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
 import math
 import sys
+import types
 from typing import Any, Sequence
 
-import ml_collections
 from absl import flags
 from etils import epath
 from jax.sharding import Mesh
 
-from dapo_jax import config as config_lib
 from dapo_jax.infra import libtpu_flags
 from dapo_jax.infra import sharding as shd
 from dapo_jax.models import Qwen2Config, attention
@@ -49,7 +47,7 @@ from dapo_jax.planner.report import format_plan
 from dapo_jax.planner.targets import Target, parse_target, prepare_libtpu_env
 from dapo_jax.rollout.sampling import SamplingParams
 from dapo_jax.spec import cli
-from dapo_jax.trainer import run_setup
+from dapo_jax.spec.run_spec import RunSpec
 
 GiB = 1024**3
 
@@ -66,15 +64,15 @@ def _reported(compile_fn, *args) -> dict[str, Any]:
 COST_DEPTHS = (1, 2)
 
 
-def _costs_at_depth(compile_fn, *args, config, mcfg: Qwen2Config) -> dict[str, Any]:
-  """``compile_fn(config, mcfg, *args)`` with every program cost at the model's depth.
+def _costs_at_depth(compile_fn, *args, spec: RunSpec, mcfg: Qwen2Config) -> dict[str, Any]:
+  """``compile_fn(spec, mcfg, *args)`` with every program cost at the model's depth.
 
   XLA's cost analysis counts a loop body once, so a scanned decoder (``scan_layers``) would
   count one of its layers. A program's cost is affine in the number of layers, so it is compiled
   with ``COST_DEPTHS`` unrolled layers (small, quick compiles) and extrapolated
   (``plan_estimates.costs_at_depth``); the memory figures come from the full programs.
   """
-  runs = [_reported(compile_fn, config, mcfg.replace(num_hidden_layers=d, scan_layers=False),
+  runs = [_reported(compile_fn, spec, mcfg.replace(num_hidden_layers=d, scan_layers=False),
                     *args) for d in COST_DEPTHS]
   return est.costs_at_depth(runs[0], runs[1], COST_DEPTHS, mcfg.num_hidden_layers)
 
@@ -85,34 +83,34 @@ def _resident_bytes(plan: dict[str, Any]) -> int:
   return plan["train"]["state_bytes"] + plan["rollout"]["parts"]["params"]
 
 
-def _paged_engine(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target, mesh: Mesh):
+def _paged_engine(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], target: Target,
+                  mesh: Mesh):
   """The configured continuous engine's `PagedSpec` on the target (None: dense cache)."""
   shards = math.prod(shd.batch_axes(mesh, shd.SAMPLE_RULES).values())
-  return plan_paged.engine_spec(config, mcfg, target.kind, mesh.shape.get("tensor", 1), shards,
+  return plan_paged.engine_spec(spec, mcfg, target.kind, mesh.shape.get("tensor", 1), shards,
                                 target.hbm_bytes, _resident_bytes(plan))
 
 
-def _compile_paged_fit(config, mcfg: Qwen2Config, plan: dict[str, Any], target: Target,
+def _compile_paged_fit(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], target: Target,
                        mesh: Mesh, sp: SamplingParams, paged) -> dict[str, Any]:
   """The paged engine's chunk at the slots the closed form says fit its pool (when that is not
   the configured count): the memory of the engine the estimate's "slots that fit" row runs."""
   if target.chip is None or target.hbm_bytes is None:
     return {"skipped": "no datasheet peaks or HBM size for this target"}
-  pe = plan_paged.estimate(config, mcfg, target.chip, target.num_devices, target.hbm_bytes,
+  pe = plan_paged.estimate(spec, mcfg, target.chip, target.num_devices, target.hbm_bytes,
                            _resident_bytes(plan))
   slots = pe["slots_fit_per_shard"] * paged.shards
-  if not slots or slots == config.rollout.max_concurrent_decodes:
+  if not slots or slots == spec.rollout.max_concurrent_decodes:
     return {"skipped": f"{slots} slots fit: the configured engine's compile is that program"}
-  fit = copy.deepcopy(config)
-  with fit.unlocked():
-    fit.rollout.max_concurrent_decodes = slots
+  fit = dataclasses.replace(spec, rollout=dataclasses.replace(spec.rollout,
+                                                              max_concurrent_decodes=slots))
   return _reported(compile_continuous_rollout, fit, mcfg, mesh, sp,
                    dataclasses.replace(paged, num_pages=pe["pool_pages"]))
 
 
-def make_plan(config: ml_collections.ConfigDict, target: Target,
-              estimate: bool | None = None) -> dict[str, Any]:
-  """The plan as a JSON-able dict; compiles unless the target is analytic.
+def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> dict[str, Any]:
+  """The plan of the run ``spec`` (validated: `RunSpec.from_config`, as `configure` builds it)
+  on ``target`` as a JSON-able dict; compiles unless the target is analytic.
 
   ``estimate`` (default: when the target's chip has datasheet peaks) also compiles the
   programs the step-time estimate needs (old-log-prob forward, the static sampler's prefill
@@ -120,51 +118,49 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
   """
   if estimate is None:
     estimate = target.chip is not None
-  config_lib.validate(config)
-  mcfg = plan_model_config(config)
+  mcfg = plan_model_config(spec.model, spec.tokenizer)
   plan: dict[str, Any] = {
       "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
       "hbm_bytes": target.hbm_bytes, "model_params": mcfg.num_params(),
-      "mesh": [list(a) for a in config.mesh],
-      "rollout_mesh": [list(a) for a in (config.rollout_mesh or config.mesh)],
-      "micro_batch_size": config.optim.micro_batch_size, "remat": config.model.remat,
-      "prompts_per_call": config.rollout.prompts_per_call or config.algorithm.gen_batch_size,
-      "flops_analytic": est.step_flops(config, mcfg)}
-  plan["warnings"] = est.layout_warnings(config, mcfg, target.num_devices)
+      "mesh": [list(a) for a in spec.mesh],
+      "rollout_mesh": [list(a) for a in (spec.rollout_mesh or spec.mesh)],
+      "micro_batch_size": spec.optim.micro_batch_size, "remat": spec.model.remat,
+      "prompts_per_call": spec.sizes.prompts_per_call,
+      "flops_analytic": est.step_flops(spec, mcfg)}
+  plan["warnings"] = est.layout_warnings(spec, mcfg, target.num_devices)
   if target.analytic:
     plan["method"] = "analytic estimate (no compiler for this target on this host)"
-    plan.update(est.analytic_memory(config, mcfg, target.num_devices,
-                                    run_setup.train_config(config).master_dtype))
+    plan.update(est.analytic_memory(spec, mcfg, target.num_devices,
+                                    spec.train_config().master_dtype))
   else:
     plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
     devices = list(target.devices)
-    train_mesh = shd.make_mesh([tuple(a) for a in config.mesh], devices=devices)
-    rollout_mesh = shd.make_mesh([tuple(a) for a in (config.rollout_mesh or config.mesh)],
+    train_mesh = shd.make_mesh([tuple(a) for a in spec.mesh], devices=devices)
+    rollout_mesh = shd.make_mesh([tuple(a) for a in (spec.rollout_mesh or spec.mesh)],
                                  devices=devices)
     # Kernels as on the target: "auto" attention is Pallas splash on TPU, not the XLA einsums.
     with attention.compile_for(target.kind):
-      plan["train"] = compile_train_step(config, mcfg, train_mesh)
-      plan["rollout"] = compile_rollout(config, mcfg, train_mesh, rollout_mesh)
-      sp = sampling_params(config, mcfg)
-      if config.rollout.engine == "continuous":  # the rollout phase's program
-        paged = _paged_engine(config, mcfg, plan, target, rollout_mesh)
-        plan["continuous_rollout"] = compile_continuous_rollout(config, mcfg, rollout_mesh, sp,
+      plan["train"] = compile_train_step(spec, mcfg, train_mesh)
+      plan["rollout"] = compile_rollout(spec, mcfg, train_mesh, rollout_mesh)
+      sp = sampling_params(spec.rollout, mcfg)
+      if spec.rollout.engine == "continuous":  # the rollout phase's program
+        paged = _paged_engine(spec, mcfg, plan, target, rollout_mesh)
+        plan["continuous_rollout"] = compile_continuous_rollout(spec, mcfg, rollout_mesh, sp,
                                                                 paged)
         if paged is not None:  # the same engine at the slots the closed form says fit its pool
-          plan["paged_fit_rollout"] = _compile_paged_fit(config, mcfg, plan, target,
+          plan["paged_fit_rollout"] = _compile_paged_fit(spec, mcfg, plan, target,
                                                          rollout_mesh, sp, paged)
       if estimate:  # programs the estimate alone needs: one that fails is reported, not fatal
-        at_depth = functools.partial(_costs_at_depth, config=config, mcfg=mcfg)
+        at_depth = functools.partial(_costs_at_depth, spec=spec, mcfg=mcfg)
         plan["cost_depths"] = list(COST_DEPTHS)
         plan["train_cost"] = at_depth(compile_train_cost, train_mesh)
-        if not config.rollout.use_sampler_logprobs:
+        if not spec.rollout.use_sampler_logprobs:
           plan["logprob"] = at_depth(compile_logprob, train_mesh)
         plan["decode"] = at_depth(compile_decode_costs, rollout_mesh, sp)
         plan["continuous"] = at_depth(compile_continuous, rollout_mesh, sp)  # dense engine
     plan["attention"] = attention.resolve_impl(
-        config.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
-        seq_len=config.data.max_prompt_length + config.rollout.max_response_length,
-        head_dim=mcfg.dim_per_head)
+        spec.model.attention_impl, platform=target.kind, dtype=mcfg.jnp_dtype,
+        seq_len=spec.sizes.max_length, head_dim=mcfg.dim_per_head)
   # The training state stays on the devices while rollout runs (with its resharded copy).
   state = plan["train"]["state_bytes"]
   # The move's source is the training shard in the model's dtype: the trained params themselves
@@ -175,7 +171,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
   plan["phase_peaks"] = {"train": plan["train"]["peak"],
                          "reshard": state - held + plan["rollout"]["reshard"]["peak"],
                          "rollout": state + rollout["peak"]}
-  lora_rollout = est.lora_rollout_bytes(config, mcfg, target.num_devices,
+  lora_rollout = est.lora_rollout_bytes(spec, mcfg, target.num_devices,
                                         rollout["parts"]["params"])
   if lora_rollout:  # the rollout reads merged kernels over a base in its layout, not a reshard
     plan["lora_rollout"], extra = lora_rollout, sum(lora_rollout.values())
@@ -187,14 +183,14 @@ def make_plan(config: ml_collections.ConfigDict, target: Target,
     plan["fits"] = False
   if estimate and target.chip is not None and not target.analytic:
     plan["uncounted_flops"] = est.uncounted_flops(
-        config, mcfg, target.num_devices, splash=plan["attention"] == "splash",
-        logit_chunk_size=run_setup.train_config(config).logit_chunk_size)
-    plan["estimate"] = est.step_estimate(config, plan, target.chip)
+        spec, mcfg, target.num_devices, splash=plan["attention"] == "splash",
+        logit_chunk_size=spec.train_config().logit_chunk_size)
+    plan["estimate"] = est.step_estimate(spec, plan, target.chip)
   if target.chip is not None and target.hbm_bytes is not None:  # closed form: any such target
     resident = plan["train"]["state_bytes"] + (  # LoRA: merged kernels (+ a base copy)
         sum(plan["lora_rollout"].values()) if "lora_rollout" in plan
         else plan["rollout"]["parts"]["params"])
-    plan["paged_estimate"] = plan_paged.estimate(config, mcfg, target.chip, target.num_devices,
+    plan["paged_estimate"] = plan_paged.estimate(spec, mcfg, target.chip, target.num_devices,
                                                  target.hbm_bytes, resident)
     plan["paged_estimate"]["compiled"] = plan_paged.compiled_engines(plan)
   return plan
@@ -224,21 +220,24 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
   return cli.parse("dapo-plan", __doc__, argv, _define)
 
 
-def configure(fv: flags.FlagValues) -> ml_collections.ConfigDict:
-  config = fv.config
+def configure(fv: flags.FlagValues) -> RunSpec:
+  """The run spec of the flags: ``--config`` and its overrides validated once
+  (`RunSpec.from_config`), with ``--layers`` as ``model.overrides.num_hidden_layers``."""
+  spec = RunSpec.from_config(fv.config)
   if fv.layers:
-    with config.model.overrides.unlocked():  # a config file may leave it empty (and locked)
-      config.model.overrides.num_hidden_layers = fv.layers
-  return config
+    overrides = types.MappingProxyType(dict(spec.model.overrides, num_hidden_layers=fv.layers))
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, overrides=overrides))
+  return spec
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fv = _parse(sys.argv[1:] if argv is None else argv)
   prepare_libtpu_env(fv.target)  # before parse_target loads the backends (and libtpu)
-  config = configure(fv)
-  libtpu_flags.apply(config)  # the trainer's compiler options (dapo-train applies the same)
+  spec = configure(fv)
+  # The trainer's compiler options (dapo-train applies the same).
+  libtpu_flags.apply(spec.tpu_windowed_einsum)
   target = parse_target(fv.target)
-  plan = make_plan(config, target, estimate=None if fv.estimate else False)
+  plan = make_plan(spec, target, estimate=None if fv.estimate else False)
   print(format_plan(plan))
   if fv.json:
     epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))

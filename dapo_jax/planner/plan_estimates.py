@@ -16,11 +16,11 @@ import dataclasses
 import math
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 from dapo_jax.models import Qwen2Config, lora
 from dapo_jax.rollout.sampler import segment_ends
+from dapo_jax.spec.run_spec import RunSpec
 
 # v5p: the 95.74 GiB libtpu reports when it refuses a program; others are the nominal sizes.
 TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95.74, "v6e": 32}
@@ -128,8 +128,8 @@ def _cost(part: dict[str, Any]) -> Cost:
   return Cost(**part["cost"])
 
 
-def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_devices: int,
-                    splash: bool, logit_chunk_size: int) -> dict[str, float]:
+def uncounted_flops(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, splash: bool,
+                    logit_chunk_size: int) -> dict[str, float]:
   """Per-device FLOPs of one run of a program's loop body that XLA's cost analysis misses,
   added by the estimate:
 
@@ -142,7 +142,7 @@ def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_de
     causal blocks, half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row and
     layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``.
   """
-  p, r = config.data.max_prompt_length, config.rollout.max_response_length
+  p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
   per_row_layer = 2.0 * mcfg.num_attention_heads * mcfg.dim_per_head / num_devices
   attention = lambda rows, length: (rows * mcfg.num_hidden_layers * per_row_layer * length
                                     * length if splash else 0.0)
@@ -150,19 +150,17 @@ def uncounted_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_de
   chunks = -(-r // chunk) if 0 < chunk < r else 1
   head = lambda rows: rows * (chunks - 1) * chunk * 2.0 * mcfg.vocab_size * mcfg.hidden_size \
       / num_devices
-  trajectories = config.optim.mini_batch_size * config.rollout.n
-  micro = min(config.optim.micro_batch_size, trajectories)
-  remat = 4 / 3 if config.model.remat != "none" else 1.0
-  log_rows = config.optim.train_batch_size * config.rollout.n
+  micro = min(spec.optim.micro_batch_size, spec.sizes.rows_per_update)
+  remat = 4 / 3 if spec.model.remat != "none" else 1.0
+  log_rows = spec.sizes.rows_per_step
   log_micro = micro if 0 < micro < log_rows else log_rows
-  head_passes = 3 if lora.LoRAConfig.from_config(config.model.get("lora")).rank > 0 else 4
+  head_passes = 3 if spec.model.lora.rank > 0 else 4
   return {"train": 3 * remat * attention(micro, p + r) + head_passes * head(micro),
           "logprob": attention(log_micro, p + r) + head(log_micro),
-          "prefill": attention(config.rollout.prompts_per_call
-                               or config.algorithm.gen_batch_size, p)}
+          "prefill": attention(spec.sizes.prompts_per_call, p)}
 
 
-def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
+def rl_step_programs(spec: RunSpec, plan: dict[str, Any]
                      ) -> dict[str, list[tuple[str, Cost, float]]]:
   """The compiled programs of one RL step with one generation batch, and how often each runs.
 
@@ -179,13 +177,14 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
   (requests x mean response length) / (slots x utilisation) (``MEAN_RESPONSE_FRACTION``,
   ``SLOT_UTILIZATION``).
   """
-  r, p, g = config.rollout.max_response_length, config.data.max_prompt_length, config.rollout.n
+  r, p, g = spec.rollout.max_response_length, spec.data.max_prompt_length, spec.rollout.n
+  prompts = spec.algorithm.gen_batch_size
   extra = plan.get("uncounted_flops", {})
   plus = lambda cost, name: cost + Cost(extra.get(name, 0.0), 0.0)
 
   def rollout():
     dec = plan["decode"]
-    calls = math.ceil(config.algorithm.gen_batch_size / dec["prompts_per_call"])
+    calls = math.ceil(prompts / dec["prompts_per_call"])
     compiled = sorted((v["cache_length"], _cost(v)) for k, v in dec.items()
                       if k.startswith("decode_step@"))
     (la, ca), (lb, cb) = compiled[0], compiled[-1]
@@ -201,21 +200,19 @@ def rl_step_programs(config: ml_collections.ConfigDict, plan: dict[str, Any]
 
   def update():
     t = plan["train_cost"]
-    updates = (config.optim.train_batch_size // config.optim.mini_batch_size
-               * config.optim.ppo_epochs)
-    return [("train step micro-batch", plus(_cost(t), "train"), t["num_micro_batches"] * updates)]
+    return [("train step micro-batch", plus(_cost(t), "train"),
+             t["num_micro_batches"] * spec.sizes.updates_per_step)]
 
   def rollout_continuous():
     cont = plan["continuous"]
-    requests = config.algorithm.gen_batch_size * g
+    requests = prompts * g
     steps = requests * MEAN_RESPONSE_FRACTION * r / (cont["slots"] * SLOT_UTILIZATION)
-    prompts = config.algorithm.gen_batch_size
     return [("enqueue (prefill)", _cost(cont["enqueue"]), prompts / cont["enqueue_rows"]),
             ("decode step (chunk body)", _cost(cont["decode_chunk"]), steps)]
 
   builders = {"rollout": rollout, "old_logprob": old_logprob, "update": update,
               "rollout_continuous": rollout_continuous}
-  if config.rollout.use_sampler_logprobs:
+  if spec.rollout.use_sampler_logprobs:
     del builders["old_logprob"]
   phases = {}
   for name, build in builders.items():
@@ -241,20 +238,19 @@ def step_time(phases: dict[str, list[tuple[str, Cost, float]]], chip: Chip
   return out
 
 
-def step_estimate(config: ml_collections.ConfigDict, plan: dict[str, Any], chip: Chip
-                  ) -> dict[str, Any]:
+def step_estimate(spec: RunSpec, plan: dict[str, Any], chip: Chip) -> dict[str, Any]:
   """The roofline estimate of one RL step on ``chip`` from the plan's compiled costs: seconds
   per phase (both rollout engines, old log-probs, updates), the step total with the configured
   engine's rollout (``rollout.engine``), and the implied MFU of the updates."""
-  phases = step_time(rl_step_programs(config, plan), chip)
-  engine = "rollout_continuous" if config.rollout.engine == "continuous" else "rollout"
+  phases = step_time(rl_step_programs(spec, plan), chip)
+  engine = "rollout_continuous" if spec.rollout.engine == "continuous" else "rollout"
   other = ({"rollout", "rollout_continuous"} - {engine}).pop()
-  needed = [engine, "update"] + ([] if config.rollout.use_sampler_logprobs else ["old_logprob"])
+  needed = [engine, "update"] + ([] if spec.rollout.use_sampler_logprobs else ["old_logprob"])
   missing = [k for k in needed + [other] if k not in phases]
   step = sum(v["seconds"] for k, v in phases.items() if k != other)
   update = phases.get("update", {}).get("seconds", 0.0)
   return {"chip": dataclasses.asdict(chip), "phases": phases, "missing": missing,
-          "rollout_engine": config.rollout.engine,
+          "rollout_engine": spec.rollout.engine,
           "step_seconds": None if set(missing) & set(needed) else step,
           "update_mfu": mfu(plan["flops_analytic"]["update_model"], update, chip,
                             plan["num_devices"]),
@@ -304,6 +300,12 @@ def _split(n: int, ways: int) -> int:
   return n // ways if ways > 1 and n % ways == 0 else n
 
 
+def _mesh_sizes(spec: RunSpec, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+  """The training and the rollout mesh's axis sizes (``rollout_mesh`` empty: the training's)."""
+  return (mesh_sizes(spec.mesh, num_devices),
+          mesh_sizes(spec.rollout_mesh or spec.mesh, num_devices))
+
+
 def _mesh_shape(mesh) -> dict[str, int]:
   return dict(mesh.shape) if hasattr(mesh, "shape") else dict(mesh)
 
@@ -349,8 +351,8 @@ def adapter_sizes(mcfg: Qwen2Config, lcfg: lora.LoRAConfig) -> tuple[int, int]:
   return adapters, adapted
 
 
-def lora_rollout_bytes(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num_devices: int,
-                       rollout_params: int) -> dict[str, int] | None:
+def lora_rollout_bytes(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, rollout_params: int
+                       ) -> dict[str, int] | None:
   """A LoRA run's rollout weights per device beyond its train state
   (``rollout/weights.MergedRolloutWeights``), or None without adapters: ``merged``, the adapted
   kernels merged in the model's dtype and rollout layout (new arrays each step; every other
@@ -358,17 +360,16 @@ def lora_rollout_bytes(config: ml_collections.ConfigDict, mcfg: Qwen2Config, num
   kept for the run where the training layout differs (``fsdp`` > 1, which ``SAMPLE_RULES``
   replicates, or another ``rollout_mesh``). ``rollout_params``: the whole model in the rollout
   layout; the adapted kernels take their share of it."""
-  n_adapter, n_adapted = adapter_sizes(mcfg, lora.LoRAConfig.from_config(config.model.get("lora")))
+  n_adapter, n_adapted = adapter_sizes(mcfg, lora.LoRAConfig.from_config(spec.model.lora))
   if not n_adapter:
     return None
-  train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
-      config.rollout_mesh or config.mesh, num_devices)
+  train, roll = _mesh_sizes(spec, num_devices)
   same = train.get("fsdp", 1) == 1 and train == roll
   return {"merged": int(rollout_params * n_adapted / mcfg.num_params()),
           "resident": 0 if same else rollout_params}
 
 
-def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str, float]:
+def step_flops(spec: RunSpec, mcfg: Qwen2Config) -> dict[str, float]:
   """FLOPs of one RL step over all devices: one generation batch (dynamic sampling may draw
   more), the old-log-prob forward and the updates (with full rematerialisation, one more
   forward per update).
@@ -378,15 +379,15 @@ def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str
   the adapters' both gradients (2x their forward, ``(x @ A) @ B``: 2 FLOPs per adapter parameter
   and token). The rollout runs the merged weights (no adapter FLOPs); ``merge`` is the step's
   ``A @ B`` per adapted kernel."""
-  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  lcfg = lora.LoRAConfig.from_config(spec.model.lora)
   n_adapter, n_adapted = adapter_sizes(mcfg, lcfg)
   n_mm = _matmul_params(mcfg)
-  p, r = config.data.max_prompt_length, config.rollout.max_response_length
-  t = p + r
-  prompts, g = config.algorithm.gen_batch_size, config.rollout.n
+  p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
+  t = spec.sizes.max_length
+  prompts, g = spec.algorithm.gen_batch_size, spec.rollout.n
   rollout = (prompts * p * (2 * n_mm + _attn_flops_per_token(mcfg, p))
              + prompts * g * r * (2 * n_mm + _attn_flops_per_token(mcfg, p + r / 2)))
-  rows = config.optim.train_batch_size * g
+  rows = spec.sizes.rows_per_step
   # The log-prob head (vocab x hidden) runs on the R response positions only (logprobs.py).
   head = mcfg.vocab_size * mcfg.hidden_size
   weights = rows * (t * 2 * (n_mm - head) + r * 2 * head)  # the base's matmuls
@@ -396,34 +397,31 @@ def step_flops(config: ml_collections.ConfigDict, mcfg: Qwen2Config) -> dict[str
   # What MFU counts (no recomputation): forward + backward, the base's weight gradients only
   # when it trains.
   update_model = (fwd + (2 if lcfg.rank <= 0 else 1) * weights + 2 * attn + 2 * adapters
-                  ) * config.optim.ppo_epochs
-  train = update_model + (fwd * config.optim.ppo_epochs if config.model.remat != "none" else 0)
-  logprob = 0.0 if config.rollout.use_sampler_logprobs else fwd
+                  ) * spec.optim.ppo_epochs
+  train = update_model + (fwd * spec.optim.ppo_epochs if spec.model.remat != "none" else 0)
+  logprob = 0.0 if spec.rollout.use_sampler_logprobs else fwd
   merge = 2.0 * lcfg.rank * n_adapted
   return {"rollout": rollout, "logprob": logprob, "train": train, "merge": merge,
           "total": rollout + logprob + train + merge, "update_model": update_model,
           "adapter_params": n_adapter}
 
 
-def layout_warnings(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
-                    num_devices: int) -> list[str]:
+def layout_warnings(spec: RunSpec, mcfg: Qwen2Config, num_devices: int) -> list[str]:
   """Layout choices that silently waste devices (replicated work) or memory."""
   out = []
-  for field in ("mesh", "rollout_mesh"):
-    axes = config[field] or config.mesh
+  for field, axes in (("mesh", spec.mesh), ("rollout_mesh", spec.rollout_mesh or spec.mesh)):
     known = math.prod(int(s) for _, s in axes if int(s) != -1)
     if num_devices % known:
       out.append(f"config.{field}={list(axes)} does not divide {num_devices} devices.")
       return out
-  train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
-      config.rollout_mesh or config.mesh, num_devices)
+  train, roll = _mesh_sizes(spec, num_devices)
   ways = math.prod(train.get(a, 1) for a in BATCH_AXES)
-  micro = min(config.optim.micro_batch_size, config.optim.mini_batch_size * config.rollout.n)
+  micro = min(spec.optim.micro_batch_size, spec.sizes.rows_per_update)
   if micro % ways:
     out.append(f"micro-batch of {micro} trajectories does not split over the {ways} batch "
                f"shards (data x fsdp): every shard computes all of it. Use a multiple of {ways}.")
   rways = math.prod(roll.get(a, 1) for a in BATCH_AXES)
-  prompts = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
+  prompts = spec.sizes.prompts_per_call
   if prompts % rways:
     out.append(f"{prompts} prompts per rollout call do not split over the {rways} rollout "
                f"batch shards: set rollout.prompts_per_call to a multiple of {rways}.")
@@ -436,8 +434,8 @@ def layout_warnings(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   return out
 
 
-def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
-                    num_devices: int, master_dtype: str = "float32") -> dict[str, Any]:
+def analytic_memory(spec: RunSpec, mcfg: Qwen2Config, num_devices: int,
+                    master_dtype: str = "float32") -> dict[str, Any]:
   """Per-device bytes in the shape ``plan.make_plan`` reports for compiled targets.
 
   Parameters, optimizer state and KV cache are exact up to indivisible dimensions. Train-step
@@ -445,26 +443,25 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
   (``REMAT_BYTES_BY_FSDP``); without it, every layer's activations. With LoRA the trained
   parameters (and their gradients) are the adapters; the base is held once, frozen, in its dtype.
   """
-  train, roll = mesh_sizes(config.mesh, num_devices), mesh_sizes(
-      config.rollout_mesh or config.mesh, num_devices)
+  train, roll = _mesh_sizes(spec, num_devices)
   tp, rtp = train.get("tensor", 1), roll.get("tensor", 1)
   pb, ab = np.dtype(mcfg.param_dtype).itemsize, np.dtype(mcfg.dtype).itemsize
   # The trained copy is held in the master dtype (fp32 for a bf16 model), as the trainer does.
   mb = max(pb, np.dtype(master_dtype).itemsize) if master_dtype else pb
   n = mcfg.num_params()
   shards = train.get("fsdp", 1) * tp
-  n_adapter, _ = adapter_sizes(mcfg, lora.LoRAConfig.from_config(config.model.get("lora")))
+  n_adapter, _ = adapter_sizes(mcfg, lora.LoRAConfig.from_config(spec.model.lora))
   frozen = n * pb // shards if n_adapter else 0
   trained = n_adapter or n
   params = trained * mb // shards
   opt_state = 2 * params  # Adam's two moments, in the master dtype
-  p, r = config.data.max_prompt_length, config.rollout.max_response_length
-  t = p + r
+  p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
+  t = spec.sizes.max_length
   ways = math.prod(train.get(a, 1) for a in BATCH_AXES)
-  rows = config.optim.mini_batch_size * config.rollout.n
-  micro = _split(min(config.optim.micro_batch_size, rows), ways)
+  rows = spec.sizes.rows_per_update
+  micro = _split(min(spec.optim.micro_batch_size, rows), ways)
   d, f, layers = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
-  if config.model.remat != "none":
+  if spec.model.remat != "none":
     saved = micro * t * layers * d * remat_bytes_per_token_layer_unit(train.get("fsdp", 1))
   else:  # every layer keeps its activations, attention scores included (fp32)
     heads = _split(mcfg.num_attention_heads, tp)
@@ -477,15 +474,15 @@ def analytic_memory(config: ml_collections.ConfigDict, mcfg: Qwen2Config,
                  "activations_and_temp": activations}
   rparams = n * pb // rtp
   src = n * pb // (train.get("fsdp", 1) * tp)
-  prompts = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
-  kv = kv_cache_bytes_per_device(mcfg, roll, prompts * config.rollout.n, t)
-  rrows = _split(prompts * config.rollout.n, math.prod(roll.get(a, 1) for a in BATCH_AXES))
+  prompts, g = spec.sizes.prompts_per_call, spec.rollout.n
+  kv = kv_cache_bytes_per_device(mcfg, roll, prompts * g, t)
+  rrows = _split(prompts * g, math.prod(roll.get(a, 1) for a in BATCH_AXES))
   outputs = rrows * (r * 9 + p * 5 + 9)
   other = int(ROLLOUT_TEMP_OVER_KV * kv) + rrows * _split(mcfg.vocab_size, rtp) * 4 * 3
   return {
       "train": {"parts": train_parts, "peak": sum(train_parts.values()),
                 "state_bytes": params + opt_state + frozen,
-                "num_micro_batches": max(1, rows // config.optim.micro_batch_size)},
+                "num_micro_batches": spec.sizes.micro_batches_per_update},
       "rollout": {"parts": {"params": rparams, "kv_cache_estimate": kv, "other_temp": other,
                             "outputs": outputs},
                   "peak": rparams + kv + other + outputs, "prompts_per_call": prompts,

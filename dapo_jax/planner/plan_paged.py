@@ -25,6 +25,7 @@ from scipy import special
 
 from dapo_jax.models import Qwen2Config
 from dapo_jax.planner import plan_estimates as est
+from dapo_jax.spec.run_spec import RolloutSpec, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,50 +104,45 @@ def rollout(cost: est.Cost, chip: est.Chip, requests: int, mean: float, slots: i
                     else "memory")}
 
 
-def _setting(config, key: str, default):
-  return config.rollout.get(key, default)
-
-
-def pool_pages(config, mcfg: Qwen2Config, tensor: int, hbm_bytes: int | None,
+def pool_pages(rollout: RolloutSpec, mcfg: Qwen2Config, tensor: int, hbm_bytes: int | None,
                resident_bytes: int) -> tuple[int, float | None]:
   """(pages per data shard, KV budget bytes per chip): ``rollout.kv_pages``, else
   ``rollout.kv_hbm_fraction`` of the HBM a chip has left after ``resident_bytes``, in pages
   (0 when neither is known), as the engine sizes its pool when it opens a stream."""
-  page_bytes = int(_setting(config, "page_size", 64)) * kv_bytes_per_token(mcfg, tensor)
-  fraction = float(_setting(config, "kv_hbm_fraction", 0.9))
+  page_bytes = rollout.page_size * kv_bytes_per_token(mcfg, tensor)
+  fraction = rollout.kv_hbm_fraction
   budget = None if hbm_bytes is None else fraction * max(hbm_bytes - resident_bytes, 0)
-  pages = int(_setting(config, "kv_pages", 0))
+  pages = rollout.kv_pages
   if not pages and budget is not None:
     pages = int(budget // page_bytes)
   return pages, budget
 
 
-def engine_spec(config, mcfg: Qwen2Config, platform: str, tensor: int, shards: int,
+def engine_spec(spec: RunSpec, mcfg: Qwen2Config, platform: str, tensor: int, shards: int,
                 hbm_bytes: int | None, resident_bytes: int):
   """The paged engine's `PagedSpec` on ``platform`` as the trainer's `ContinuousSampler`
-  would pick it for ``config`` (None: the dense cache): "auto" is paged on TPU and GPU; the
+  would pick it for the run ``spec`` (None: the dense cache): "auto" is paged on TPU and GPU; the
   pool is `pool_pages`, capped as the sampler caps it (every slot of a data shard at full
   length plus the queue's prompts) and never below one prompt plus one full sample."""
   # pylint: disable=g-import-not-at-top
   from dapo_jax.models import paged_kv
   from dapo_jax.rollout import slot_programs as prog
   # pylint: enable=g-import-not-at-top
-  r = config.rollout
-  p, t = config.data.max_prompt_length, int(_setting(config, "page_size", 64))
-  if paged_kv.resolve_kv_cache(_setting(config, "kv_cache", "auto"), p + r.max_response_length,
-                               platform) != "paged":
+  r = spec.rollout
+  p, t = spec.data.max_prompt_length, r.page_size
+  if paged_kv.resolve_kv_cache(r.kv_cache, spec.sizes.max_length, platform) != "paged":
     return None
   full, prompt = paged_kv.pages_for(p + r.max_response_length, t), paged_kv.pages_for(p, t)
   queue = max(2, -(-2 * r.max_concurrent_decodes // r.n))  # ContinuousSampler.queue_prompts
   enough = r.max_concurrent_decodes // shards * full + queue * prompt + 1  # one shard's
-  pages, _ = pool_pages(config, mcfg, tensor, hbm_bytes, resident_bytes)
-  pages = pages if _setting(config, "kv_pages", 0) else min(enough, max(prompt + full + 1, pages))
-  return prog.PagedSpec(num_pages=pages, page_size=t, impl=_setting(config, "attention_impl",
-                                                                     "auto"), shards=shards)
+  pages, _ = pool_pages(r, mcfg, tensor, hbm_bytes, resident_bytes)
+  pages = pages if r.kv_pages else min(enough, max(prompt + full + 1, pages))
+  return prog.PagedSpec(num_pages=pages, page_size=t, impl=r.attention_impl, shards=shards)
 
 
-def estimate(config, mcfg: Qwen2Config, chip: est.Chip, num_devices: int, hbm_bytes: int | None,
-             resident_bytes: int, mix: LengthMix = LONG_TAIL) -> dict[str, Any]:
+def estimate(spec: RunSpec, mcfg: Qwen2Config, chip: est.Chip, num_devices: int,
+             hbm_bytes: int | None, resident_bytes: int, mix: LengthMix = LONG_TAIL
+             ) -> dict[str, Any]:
   """Dense vs paged rollout of one generation batch, per chip of the rollout mesh.
 
   ``resident_bytes``: what stays on a chip through rollout besides the KV (the training state
@@ -157,22 +153,22 @@ def estimate(config, mcfg: Qwen2Config, chip: est.Chip, num_devices: int, hbm_by
   The paged engine is estimated at the configured slots and at the slots that fit; both use the
   dense estimate's ``SLOT_UTILIZATION``.
   """
-  mesh = est.mesh_sizes(config.rollout_mesh or config.mesh, num_devices)
+  mesh = est.mesh_sizes(spec.rollout_mesh or spec.mesh, num_devices)
   tensor = mesh.get("tensor", 1)
   shards = math.prod(mesh.get(a, 1) for a in est.BATCH_AXES)
-  p, r, g = config.data.max_prompt_length, config.rollout.max_response_length, config.rollout.n
-  page = int(_setting(config, "page_size", 64))
+  p, r, g = spec.data.max_prompt_length, spec.rollout.max_response_length, spec.rollout.n
+  page = spec.rollout.page_size
   u = est.SLOT_UTILIZATION
   stats = mix_stats(mix.pmf(r), p, page, g)
   token = kv_bytes_per_token(mcfg, tensor)
   page_bytes = page * token
-  requests = config.algorithm.gen_batch_size * g
-  configured = config.rollout.max_concurrent_decodes
+  requests = spec.algorithm.gen_batch_size * g
+  configured = spec.rollout.max_concurrent_decodes
   dense_per_shard = configured / shards
   dense = rollout(decode_step(mcfg, tensor, dense_per_shard, dense_per_shard, p + r), chip,
                   requests, stats.mean, configured, r, u)
   dense["kv_bytes"] = dense_per_shard * (p + r) * token
-  pages, budget = pool_pages(config, mcfg, tensor, hbm_bytes, resident_bytes)
+  pages, budget = pool_pages(spec.rollout, mcfg, tensor, hbm_bytes, resident_bytes)
   queue_pages = 2 * math.ceil(p / page) / g  # per slot: the queue's prompts
   per_slot = stats.own_pages + stats.shared_pages + queue_pages
   out = {"basis": "closed form, no scatter overcharge (both engines)",

@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -22,7 +21,7 @@ from dapo_jax.planner import plan_estimates as est
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
-from dapo_jax.spec.run_spec import read_section
+from dapo_jax.spec.run_spec import ModelSpec, RolloutSpec, RunSpec, TokenizerSpec
 from dapo_jax.trainer import run_setup
 from dapo_jax.trainer.train_step import (LogProbForward, TrainBatch, TrainState, TrainStep,
                                          make_optimizer, master_params)
@@ -35,10 +34,10 @@ class _VocabOnly:
     self.vocab_size = vocab_size
 
 
-def plan_model_config(config: ml_collections.ConfigDict) -> Qwen2Config:
-  """The run's architecture, without reading tokenizer files (the preset's vocabulary is at
-  least the Qwen2.5 tokenizer's, which is what a run uses too)."""
-  m, tok = read_section(config, "model"), read_section(config, "tokenizer")
+def plan_model_config(m: ModelSpec, tok: TokenizerSpec) -> Qwen2Config:
+  """The run's architecture (``spec.model``, ``spec.tokenizer``), without reading tokenizer
+  files (the preset's vocabulary is at least the Qwen2.5 tokenizer's, which is what a run uses
+  too)."""
   if tok.kind == "char":
     size = run_setup.build_tokenizer(tok, m.checkpoint).vocab_size
   else:
@@ -107,10 +106,10 @@ def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: st
                 "bytes_compiled": cost.bytes}
 
 
-def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
+def _train_program(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh):
   """The train step lowered for one optimizer update on a mini-batch, with its abstract inputs."""
-  tcfg = run_setup.train_config(config)
-  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  tcfg = spec.train_config()
+  lcfg = lora.LoRAConfig.from_config(spec.model.lora)
   model = nnx.eval_shape(lambda: lora.add_adapters(Qwen2ForCausalLM(mcfg, rngs=nnx.Rngs(0)),
                                                    lcfg))
   # As `init_train_state`: the trained params (every Param, or the LoRA adapters alone, the base
@@ -120,8 +119,8 @@ def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
   opt_state = jax.eval_shape(make_optimizer(tcfg).init, params)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   state = TrainState(params, rest, opt_state, scalar, scalar)
-  rows = config.optim.mini_batch_size * config.rollout.n
-  p, r = config.data.max_prompt_length, config.rollout.max_response_length
+  rows = spec.sizes.rows_per_update
+  p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
   sds = jax.ShapeDtypeStruct
   # Only the fields the loss reads: jit drops unused inputs from the compiled program.
   batch = TrainBatch(input_ids=sds((rows, p + r), jnp.int32),
@@ -135,9 +134,9 @@ def _train_program(config, mcfg: Qwen2Config, mesh: Mesh):
   return TrainStep(graphdef, tcfg, mesh).lower(state, batch), state, batch, tcfg
 
 
-def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+def compile_train_step(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
-  lowered, state, batch, tcfg = _train_program(config, mcfg, mesh)
+  lowered, state, batch, tcfg = _train_program(spec, mcfg, mesh)
   params, opt_state = state.params, state.opt_state
   rows = batch.input_ids.shape[0]
   compiled, oom, seconds = _compile(lowered)
@@ -154,40 +153,39 @@ def compile_train_step(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
       "state_bytes": parts["params"] + parts["opt_state"] + parts["frozen_base"]}
 
 
-def compile_train_cost(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+def compile_train_cost(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   """The train step compiled for its cost alone: one micro-batch loop body (with the
   optimizer update, a small overcount) per run."""
-  lowered, _, _, tcfg = _train_program(config, mcfg, mesh)
+  lowered, _, _, tcfg = _train_program(spec, mcfg, mesh)
   return _lower_and_cost(lowered) | {"num_micro_batches": tcfg.num_micro_batches}
 
 
-def sampling_params(config, mcfg: Qwen2Config) -> SamplingParams:
-  return SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                        top_k=config.rollout.top_k,
-                        max_new_tokens=config.rollout.max_response_length,
+def sampling_params(rollout: RolloutSpec, mcfg: Qwen2Config) -> SamplingParams:
+  """The rollout's sampling settings (``spec.rollout``), stopping at the model's EOS."""
+  return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                        top_k=rollout.top_k, max_new_tokens=rollout.max_response_length,
                         eos_ids=(mcfg.eos_token_id or 0,), pad_id=mcfg.eos_token_id or 0)
 
 
-def compile_rollout(config, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: Mesh
+def compile_rollout(spec: RunSpec, mcfg: Qwen2Config, train_mesh: Mesh, rollout_mesh: Mesh
                     ) -> dict[str, Any]:
   """AOT-compiles one rollout call (prefill + decode loop) and the train -> rollout reshard."""
   graphdef, state = nnx.split(abstract_model(mcfg))
   rollout_sh = shd.state_shardings(state, rollout_mesh, shd.SAMPLE_RULES)
   train_sh = shd.state_shardings(state, train_mesh, shd.TRAIN_RULES)
-  b = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
-  p = config.data.max_prompt_length
-  prompt_sh = shd.prompt_sharding(rollout_mesh, shd.SAMPLE_RULES, b, config.rollout.n)
+  b, g = spec.sizes.prompts_per_call, spec.rollout.n
+  p = spec.data.max_prompt_length
+  prompt_sh = shd.prompt_sharding(rollout_mesh, shd.SAMPLE_RULES, b, g)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype,
                              sharding=NamedSharding(rollout_mesh, PartitionSpec()))
-  sp = sampling_params(config, mcfg)
+  sp = sampling_params(spec.rollout, mcfg)
   sampler = Sampler(graphdef, mesh=rollout_mesh, rules=shd.SAMPLE_RULES)
   ids = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=prompt_sh)
   mask = jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=prompt_sh)
   compiled, oom, seconds = _compile(sampler._program.lower(  # pylint: disable=protected-access
-      _abstract(state, rollout_sh), ids, mask, key, params=sp, num_samples=config.rollout.n))
-  kv = est.kv_cache_bytes_per_device(mcfg, rollout_mesh, b * config.rollout.n,
-                                     p + config.rollout.max_response_length)
+      _abstract(state, rollout_sh), ids, mask, key, params=sp, num_samples=g))
+  kv = est.kv_cache_bytes_per_device(mcfg, rollout_mesh, b * g, spec.sizes.max_length)
   mem = None if compiled is None else _mem(compiled)
   parts = {"params": shd.per_device_bytes(state, rollout_sh), "kv_cache_estimate": kv,
            "other_temp": 0 if mem is None else max(mem["temp"] - kv, 0),
@@ -205,15 +203,15 @@ def _lower_and_cost(lowered) -> dict[str, Any]:
   return {"cost": dataclasses.asdict(_cost(compiled)), "compile_seconds": round(seconds, 1)}
 
 
-def compile_logprob(config, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
+def compile_logprob(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   """AOT-compiles the old-log-prob forward over a step's trajectories (the trainer's one call:
   `forward_micro_batch_size` rows at a time, a loop whose body the cost analysis counts once)."""
-  tcfg = run_setup.train_config(config)
+  tcfg = spec.train_config()
   graphdef, params, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
   params = jax.eval_shape(functools.partial(master_params, cfg=tcfg), params)
-  rows = config.optim.train_batch_size * config.rollout.n
-  r = config.rollout.max_response_length
-  t = config.data.max_prompt_length + r
+  rows = spec.sizes.rows_per_step
+  r = spec.rollout.max_response_length
+  t = spec.sizes.max_length
   ids = jax.ShapeDtypeStruct((rows, t), jnp.int32)
   mask = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
   forward = LogProbForward(graphdef, tcfg, mesh, rest=rest)
@@ -239,7 +237,7 @@ def _rows_layout(tree, rows: int, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+def compile_decode_costs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
                          ) -> dict[str, Any]:
   """The static sampler's pieces, compiled alone for their costs (in the rollout program they
   sit in `while_loop`s whose bodies XLA's cost analysis counts once): the prefill of a call's
@@ -247,8 +245,8 @@ def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   it, then sampling) over the cache lengths of the shortest and the longest decode loop."""
   graphdef, state = nnx.split(abstract_model(mcfg))
   state = _abstract(state, shd.state_shardings(state, mesh, shd.SAMPLE_RULES))
-  b = config.rollout.prompts_per_call or config.algorithm.gen_batch_size
-  g, p = config.rollout.n, config.data.max_prompt_length
+  b = spec.sizes.prompts_per_call
+  g, p = spec.rollout.n, spec.data.max_prompt_length
   n = b * g
   prompt_sh = shd.prompt_sharding(mesh, shd.SAMPLE_RULES, b, g)
   row_sh = shd.batch_sharding(mesh, shd.SAMPLE_RULES, 1, n)
@@ -285,7 +283,7 @@ def compile_decode_costs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   return out | {"rows": n, "prompts_per_call": b, "cache_segments": segments}
 
 
-def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
+def _continuous_programs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
                          paged=None):
   """The continuous engine's programs (`rollout/slot_programs.py`) lowered as the trainer's
   `ContinuousSampler` runs them: its state (`init`: the slots' KV cache, or with ``paged`` (a
@@ -303,9 +301,9 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
   graphdef, state = nnx.split(abstract_model(mcfg))
   state_sh = shd.state_shardings(state, mesh, shd.SAMPLE_RULES)
   state = _abstract(state, state_sh)
-  p, r, g = config.data.max_prompt_length, config.rollout.max_response_length, config.rollout.n
+  p, r, g = spec.data.max_prompt_length, spec.rollout.max_response_length, spec.rollout.n
   sampler = continuous.ContinuousSampler(
-      graphdef, num_slots=config.rollout.max_concurrent_decodes, mesh=mesh,
+      graphdef, num_slots=spec.rollout.max_concurrent_decodes, mesh=mesh,
       max_prefill_length=p)
   prog_mesh = sampler.mesh
   q = sampler.queue_prompts(g)
@@ -336,11 +334,11 @@ def _continuous_programs(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingPara
       engine, out_sh)}
 
 
-def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
+def compile_continuous(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
                        ) -> dict[str, Any]:
   """The continuous engine's enqueue and chunk compiled for their costs (the chunk's loop body,
   one decode step with admission, counted once)."""
-  progs = _continuous_programs(config, mcfg, mesh, sp)
+  progs = _continuous_programs(spec, mcfg, mesh, sp)
   info = {k: progs[k] for k in ("slots", "enqueue_rows", "queue_prompts", "chunk_steps")}
   if "oom" in progs:
     return info | {"oom": progs["oom"]}
@@ -348,13 +346,13 @@ def compile_continuous(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams
                  "decode_chunk": _lower_and_cost(progs["chunk"])}
 
 
-def compile_continuous_rollout(config, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
+def compile_continuous_rollout(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
                                paged=None) -> dict[str, Any]:
   """The continuous engine's memory: its chunk program at the model's depth, whose inputs are
   the rollout parameters and the engine state (the slots' KV cache at the full prompt +
   response length, which never grows, or with ``paged`` the page pools, and the prompt
   queue)."""
-  progs = _continuous_programs(config, mcfg, mesh, sp, paged)
+  progs = _continuous_programs(spec, mcfg, mesh, sp, paged)
   parts = {"params": progs["params"], "engine_state": progs.get("engine_bytes", 0),
            "other_temp": 0, "outputs": 0}
   info = {"slots": progs["slots"], "queue_prompts": progs["queue_prompts"]}

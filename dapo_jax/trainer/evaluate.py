@@ -23,10 +23,8 @@ import logging
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 from absl import flags
 from flax import nnx
-from jax.sharding import Mesh
 
 from dapo_jax.spec import cli
 from dapo_jax.infra import compile_cache
@@ -39,7 +37,7 @@ from dapo_jax.infra import run_files
 from dapo_jax.trainer import run_setup
 from dapo_jax.infra import sharding as shd
 from dapo_jax.data.records import MathRecord
-from dapo_jax.spec.run_spec import read_section
+from dapo_jax.spec.run_spec import RunSpec
 
 _log = logging.getLogger(__name__)
 
@@ -51,23 +49,24 @@ def problem_id(record: MathRecord) -> str:
 
 class Evaluator:
   """Samples ``eval.num_samples`` answers per row and scores them with the training verifier
-  (the training rollout's ``generate_and_score``, at the eval sampling settings)."""
+  (the training rollout's ``generate_and_score``, at the eval sampling settings).
 
-  def __init__(self, config: ml_collections.ConfigDict, rollout, tokenizer, scorer,
-               records: Sequence[MathRecord]):
-    self.config = config
-    limit = config.eval.max_examples
+  ``spec``: the run's; it reads ``eval``, the ``rollout`` stop tokens and response length,
+  ``data.max_prompt_length`` and ``seed``.
+  """
+
+  def __init__(self, spec: RunSpec, rollout, tokenizer, scorer, records: Sequence[MathRecord]):
+    self.eval, self.seed = spec.eval, spec.seed
+    limit = spec.eval.max_examples
     self.records = list(records[:limit] if limit else records)
-    self.params = run_setup.sampling_params(read_section(config, "rollout"),
-                                            read_section(config, "eval"), tokenizer,
-                                            eval_mode=True)
+    self.params = run_setup.sampling_params(spec.rollout, spec.eval, tokenizer, eval_mode=True)
     self.generator = generation.Generator(
-        rollout, tokenizer, scorer, self.params, num_samples=config.eval.num_samples,
-        max_prompt_length=config.data.max_prompt_length)
+        rollout, tokenizer, scorer, self.params, num_samples=spec.eval.num_samples,
+        max_prompt_length=spec.data.max_prompt_length)
     # The number a run is judged by: summarize's avg@K, K = samples per problem (rows repeating
     # a problem, as the AIME file's 32 copies, each add eval.num_samples).
-    k = (eval_metrics.samples_per_problem(map(problem_id, self.records), config.eval.num_samples)
-         if self.records else config.eval.num_samples)
+    k = (eval_metrics.samples_per_problem(map(problem_id, self.records), spec.eval.num_samples)
+         if self.records else spec.eval.num_samples)
     self.headline = f"eval/avg@{k}"
     self.last_rows: list[dict[str, Any]] = []
     self.last_texts: list[str] = []
@@ -75,8 +74,8 @@ class Evaluator:
   def __call__(self, params_state, step: int = 0) -> dict[str, float]:
     if not self.records:
       return {}
-    bs, n = self.config.eval.batch_size, self.config.eval.num_samples
-    key = jax.random.fold_in(jax.random.key(self.config.seed + 7919), step)
+    bs, n = self.eval.batch_size, self.eval.num_samples
+    key = jax.random.fold_in(jax.random.key(self.seed + 7919), step)
     results, texts = [], []
     for start in range(0, len(self.records), bs):
       # Padded to a fixed shape: one compiled program.
@@ -104,53 +103,45 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
   return cli.parse("dapo-eval", __doc__, argv, _define, cli.workdir_default)
 
 
-def _config_and_params(fv: flags.FlagValues, mesh: Mesh | None):
-  """The run config and the sampling-ready policy, in the sampling layout on ``mesh``."""
-  config = fv.config
-  policy = policy_lib.load_policy(config, workdir=cli.expand(fv.workdir), step=fv.step,
-                                  mesh=mesh)
-  return config, policy
-
-
-def evaluate_policy(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
+def evaluate_policy(spec: RunSpec, policy: policy_lib.Policy,
                     records: Sequence[MathRecord]) -> tuple[dict[str, float], Evaluator]:
-  """``Evaluator`` over ``records``; prompts spread over the mesh's data axes and, on several
-  processes, each process verifies its share of the answers (``generation.score_spread``)."""
+  """``Evaluator`` over ``records`` (``spec``'s eval settings, its verifier without length
+  shaping); prompts spread over the mesh's data axes and, on several processes, each process
+  verifies its share of the answers (``generation.score_spread``)."""
   from dapo_jax.rewards.batch import RewardScorer  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(policy.model)
   sampler = Sampler(graphdef, mesh=policy.mesh, rules=shd.SAMPLE_RULES)
   rollout = distributed.global_rollout(sampler.generate, policy.mesh)
-  r = config.reward
-  with RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
+  r = spec.reward
+  with RewardScorer(r.verifier, max_response_length=spec.rollout.max_response_length,
                     overlong_buffer_enable=False, timeout_s=r.timeout_s,
                     num_workers=r.num_workers) as scorer:
-    evaluator = Evaluator(config, rollout, policy.tokenizer, scorer, records)
+    evaluator = Evaluator(spec, rollout, policy.tokenizer, scorer, records)
     summary = evaluator(state)
   return summary, evaluator
 
 
-def provenance(config: ml_collections.ConfigDict, policy: policy_lib.Policy,
-               workdir: str | None) -> dict[str, Any]:
+def provenance(spec: RunSpec, policy: policy_lib.Policy, workdir: str | None
+               ) -> dict[str, Any]:
   """What an evaluation used: the weights (workdir, step and the directory read, or the HF
   checkpoint), the dataset, the dtypes and the mesh, as the summary and ``--output`` name them."""
   from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
   mesh = policy.mesh
   # A LoRA run's weights are its adapters merged into this base (checked by fingerprint).
-  adapters = ({"lora_base": lora_base.source(read_section(config, "model"),
-                                             read_section(config, "seed"))}
-              if workdir and lora.LoRAConfig.from_config(config.model.get("lora")).rank else {})
+  adapters = ({"lora_base": lora_base.source(spec.model, spec.seed)}
+              if workdir and lora.LoRAConfig.from_config(spec.model.lora).rank else {})
   return {
       **adapters,
       "workdir": workdir or None,
       "step": policy.step,
       "checkpoint": (str(policy_lib.checkpoint_dir(workdir) / str(policy.step)) if workdir
-                     else config.model.checkpoint),
-      "dataset": config.data.eval,
-      "num_samples": config.eval.num_samples,
-      "dtype": config.model.dtype,
-      "param_dtype": config.model.param_dtype,
+                     else spec.model.checkpoint),
+      "dataset": spec.data.eval,
+      "num_samples": spec.eval.num_samples,
+      "dtype": spec.model.dtype,
+      "param_dtype": spec.model.param_dtype,
       "mesh": None if mesh is None else ",".join(f"{a}={n}" for a, n in mesh.shape.items()),
       "num_devices": jax.device_count(),
   }
@@ -172,19 +163,18 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   fv = _parse(argv)
   from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
   console_log.configure_logging(stderr=True)  # third-party INFO chatter off
-  libtpu_flags.apply(fv.config)  # before anything starts JAX's backends
+  libtpu_flags.apply(fv.config.get("tpu_windowed_einsum", False))  # before JAX starts
   distributed.maybe_initialize()
-  config = fv.config
-  compile_cache.setup(config.compilation_cache_dir, cli.expand(fv.workdir))
-  mesh = policy_lib.sampling_mesh(read_section(config, "mesh"),
-                                  read_section(config, "rollout_mesh"),
-                                  read_section(config, "dcn_mesh"))
-  config, policy = _config_and_params(fv, mesh)
-  data = read_section(config, "data")
-  records = run_setup.load_dataset(data.eval, data, read_section(config, "seed"), "eval")
-  summary, evaluator = evaluate_policy(config, policy, records)
+  # The workdir's config.json (or --config) as it is: a saved run is not judged again.
+  spec = RunSpec.read(fv.config)
+  workdir = cli.expand(fv.workdir)
+  compile_cache.setup(spec.compilation_cache_dir, workdir)
+  mesh = policy_lib.sampling_mesh(spec.mesh, spec.rollout_mesh, spec.dcn_mesh)
+  policy = policy_lib.load_policy(spec, workdir=workdir, step=fv.step, mesh=mesh)
+  records = run_setup.load_dataset(spec.data.eval, spec.data, spec.seed, "eval")
+  summary, evaluator = evaluate_policy(spec, policy, records)
   if jax.process_index() == 0:
-    info = provenance(config, policy, cli.expand(fv.workdir))
+    info = provenance(spec, policy, workdir)
     print(eval_metrics.format_table(evaluator.last_rows))
     print(describe(info))
     print(json.dumps(summary, indent=2), flush=True)

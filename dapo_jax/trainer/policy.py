@@ -1,10 +1,11 @@
 """The policy a command evaluates, serves or exports, loaded straight into its sharded layout.
 
-A Hugging Face directory (``config.model.checkpoint``) is read one tensor at a time
+A Hugging Face directory (``spec.model.checkpoint``) is read one tensor at a time
 (``load_pretrained``), a training workdir's Orbax checkpoint is restored with target shardings:
 either way each device receives only its shard, never a whole copy on one device. The layout is
-``sharding.SAMPLE_RULES`` on ``config.rollout_mesh`` (else ``config.mesh``), as the trainer's
-rollouts use it; one device gets no mesh at all.
+``sharding.SAMPLE_RULES`` on the run's ``rollout_mesh`` (else its ``mesh``), as the trainer's
+rollouts use it; one device gets no mesh at all. ``spec`` is the `RunSpec` of the command's
+config (`RunSpec.read` of a workdir's ``config.json``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
@@ -23,7 +23,7 @@ from dapo_jax.trainer import run_setup
 from dapo_jax.infra import sharding as shd
 from dapo_jax.models import abstract_model, create_model, lora
 from dapo_jax.spec.run_spec import Mesh as MeshAxes
-from dapo_jax.spec.run_spec import read_section
+from dapo_jax.spec.run_spec import ModelSpec, RunSpec
 
 
 class Policy(NamedTuple):
@@ -50,23 +50,21 @@ def checkpoint_dir(workdir: str) -> epath.Path:
   return run_files.resolve(workdir) / "checkpoints"
 
 
-def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None,
-                step: int | None = None, mesh: Mesh | None = None,
-                rules: shd.Rules = shd.SAMPLE_RULES) -> Policy:
+def load_policy(spec: RunSpec, *, workdir: str | None = None, step: int | None = None,
+                mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES) -> Policy:
   """The run's tokenizer and params: ``workdir``'s Orbax checkpoint (``step``, default the
-  newest readable one), else the HF directory ``config.model.checkpoint``.
+  newest readable one), else the HF directory ``spec.model.checkpoint``.
 
-  Params are in ``config.model.param_dtype`` (an fp32 master checkpoint is cast while read).
+  Params are in ``spec.model.param_dtype`` (an fp32 master checkpoint is cast while read).
   """
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-  model_spec, tok = read_section(config, "model"), read_section(config, "tokenizer")
-  tokenizer = run_setup.build_tokenizer(tok, model_spec.checkpoint)
-  m = config.model
-  if workdir and lora.LoRAConfig.from_config(m.get("lora")).rank:
-    return _lora_policy(config, tokenizer, workdir, step, mesh, rules)
+  m, tok = spec.model, spec.tokenizer
+  tokenizer = run_setup.build_tokenizer(tok, m.checkpoint)
+  if workdir and lora.LoRAConfig.from_config(m.lora).rank:
+    return _lora_policy(spec, tokenizer, workdir, step, mesh, rules)
   if workdir:
-    mcfg = run_setup.model_config(model_spec, tok.kind, tokenizer)
+    mcfg = run_setup.model_config(m, tok.kind, tokenizer)
     graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
     if jax.tree.leaves(rest):
       raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
@@ -77,39 +75,39 @@ def load_policy(config: ml_collections.ConfigDict, *, workdir: str | None = None
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
                      "--workdir=<a dapo-train workdir>.")
   model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
-                          **run_setup.model_runtime(model_spec))
+                          **run_setup.model_runtime(m))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return Policy(graphdef, params, rest, tokenizer, mesh)
 
 
-def lora_parts(config: ml_collections.ConfigDict, tokenizer, workdir: str, step: int | None,
-               mesh: Mesh | None, rules: shd.Rules = shd.SAMPLE_RULES):
+def lora_parts(spec: RunSpec, tokenizer, workdir: str, step: int | None, mesh: Mesh | None,
+               rules: shd.Rules = shd.SAMPLE_RULES):
   """A LoRA run's pieces: ``(graphdef, base params, rest, adapters (fp32), step)``; the base as
-  the run built it (``model.checkpoint``, else the preset at ``config.seed``), the adapters from
-  ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
+  the run built it (``spec.model.checkpoint``, else the preset at ``spec.seed``), the adapters
+  from ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-  m = read_section(config, "model")
+  m = spec.model
   if m.checkpoint:
     model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
                             **run_setup.model_runtime(m))
   else:
-    model = create_model(
-        run_setup.model_config(m, read_section(config, "tokenizer").kind, tokenizer),
-        seed=read_section(config, "seed"), mesh=mesh, rules=rules)
+    model = create_model(run_setup.model_config(m, spec.tokenizer.kind, tokenizer),
+                         seed=spec.seed, mesh=mesh, rules=rules)
   graphdef, base, rest = nnx.split(model, nnx.Param, ...)
-  adapters, step = restore_adapters(config, model, workdir, step, mesh, rules, base=base)
+  adapters, step = restore_adapters(m, spec.seed, model, workdir, step, mesh, rules, base=base)
   return graphdef, base, rest, adapters, step
 
 
-def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, step: int | None,
+def restore_adapters(m: ModelSpec, seed: int, model, workdir: str, step: int | None,
                      mesh: Mesh | None = None, rules: shd.Rules = shd.SAMPLE_RULES,
                      base: nnx.State | None = None):
-  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (the plain model:
-  concrete or abstract; left as it is). With ``base`` (``model``'s weights), a checkpoint whose
-  adapters trained on another base is refused in one line."""
+  """``(adapters in fp32, step)`` of ``workdir``'s checkpoint for ``model`` (the plain model of
+  ``m``, the run's ``model`` with its ``lora`` settings: concrete or abstract; left as it is).
+  With ``base`` (``model``'s weights), a checkpoint whose adapters trained on another base is
+  refused in one line (``seed``: the run's, a preset base's init)."""
   from dapo_jax.checkpoints import lora_base  # pylint: disable=g-import-not-at-top
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  lcfg = lora.LoRAConfig.from_config(config.model.lora)
+  lcfg = lora.LoRAConfig.from_config(m.lora)
   # Shapes only: drawing adapters that the restore replaces would cost a compile and memory.
   adapted = nnx.eval_shape(lambda m: lora.add_adapters(m, lcfg), model)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32),
@@ -119,16 +117,16 @@ def restore_adapters(config: ml_collections.ConfigDict, model, workdir: str, ste
   if base is not None:
     lora_base.check(
         f"{checkpoint_dir(workdir)} step {restored.step}", restored.meta.get("lora_base"),
-        lora_base.record(read_section(config, "model"), read_section(config, "seed"), base),
+        lora_base.record(m, seed, base),
         "pass the base it trained on "
         "(--config.model.checkpoint=<its HF directory>, or the run's --config.seed for a preset)")
   return restored.params, restored.step
 
 
-def _lora_policy(config, tokenizer, workdir, step, mesh, rules) -> Policy:
+def _lora_policy(spec: RunSpec, tokenizer, workdir, step, mesh, rules) -> Policy:
   """The merged weights (``W + alpha / rank * A @ B``) of a LoRA run's checkpoint."""
-  graphdef, base, rest, adapters, step = lora_parts(config, tokenizer, workdir, step, mesh, rules)
-  scale = lora.LoRAConfig.from_config(config.model.lora).scale
+  graphdef, base, rest, adapters, step = lora_parts(spec, tokenizer, workdir, step, mesh, rules)
+  scale = lora.LoRAConfig.from_config(spec.model.lora).scale
   out = None if mesh is None else shd.state_shardings(base, mesh, rules)
   merged = jax.jit(lambda a, b: lora.merge_adapters(b, a, scale), out_shardings=out)(adapters,
                                                                                    base)

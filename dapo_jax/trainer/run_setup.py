@@ -1,5 +1,6 @@
-"""Builds what a run needs from its config: mesh, tokenizer, model, datasets, step settings,
-and ``build_run``'s bundle of all of them for the trainer."""
+"""Builds what a run needs from its spec (`RunSpec`, each builder the sections it reads): mesh,
+tokenizer, model, datasets, step settings, and ``build_run``'s bundle of all of them for the
+trainer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -139,11 +139,6 @@ def load_dataset(name: str, d: DataSpec, seed: int, split: str) -> Sequence[Math
   return records
 
 
-def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
-  """The compiled update's settings (spec 4 and 6), as the run spec reads them."""
-  return RunSpec.from_config(config).train_config()
-
-
 def sampling_params(r: RolloutSpec, e: EvalSpec, tokenizer, *, eval_mode: bool = False
                     ) -> SamplingParams:
   """The rollout's sampling settings (``e``'s temperature and top_p, no top_k, in
@@ -160,6 +155,20 @@ def stop_ids(stop_tokens: str, tokenizer) -> tuple[int, ...]:
   if stop_tokens == "checkpoint":
     return tuple(tokenizer.checkpoint_eos_ids)
   return tuple(tokenizer.eos_ids)
+
+
+def kv_cache_args(r: RolloutSpec) -> dict[str, Any]:
+  """The continuous engine's KV-cache arguments in ``r`` (the run's ``rollout``)."""
+  return dict(kv_cache=r.kv_cache, page_size=r.page_size, kv_pages=r.kv_pages,
+              kv_hbm_fraction=r.kv_hbm_fraction, attention_impl=r.attention_impl)
+
+
+def engine_args(r: RolloutSpec, max_prompt_length: int) -> dict[str, Any]:
+  """`make_rollout`'s and `make_stream_opener`'s engine settings: ``r``'s (the run's
+  ``rollout``) slots and KV cache, prompts of up to ``max_prompt_length`` tokens
+  (``data.max_prompt_length``)."""
+  return dict(max_prompt_length=max_prompt_length,
+              max_concurrent_decodes=r.max_concurrent_decodes, **kv_cache_args(r))
 
 
 def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str | None:
@@ -187,21 +196,22 @@ def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str
 REFERENCE_DIR = "reference"  # in the workdir: the KL term's reference weights (Orbax)
 
 
-def reference_policy(config: ml_collections.ConfigDict, workdir, state: TrainState,
+def reference_policy(use_kl_loss: bool, param_dtype: str, workdir, state: TrainState,
                      resumed: bool) -> nnx.State | None:
   """The KL loss's reference policy: a frozen copy of the weights RL starts from (after any SFT
-  warm start), in the model's parameter dtype; None, and nothing built, when
-  ``algorithm.use_kl_loss`` is off. A fresh run writes it to ``<workdir>/reference``; a resumed
-  run reads it back from there (the start weights are not in the step checkpoints).
+  warm start), in ``param_dtype`` (``model.param_dtype``); None, and nothing built, without
+  ``use_kl_loss`` (``algorithm.use_kl_loss``). A fresh run writes it to
+  ``<workdir>/reference``; a resumed run reads it back from there (the start weights are not in
+  the step checkpoints).
 
   A LoRA run's reference is the base without adapters: zero adapters over the same frozen base
   (B = 0 adds exactly nothing), so no second copy of the weights exists or is written.
   """
-  if not config.algorithm.use_kl_loss:
+  if not use_kl_loss:
     return None
   if lora.has_adapters(state.params):
     return jax.tree.map(jnp.zeros_like, state.params)
-  dtype = jnp.dtype(config.model.param_dtype)
+  dtype = jnp.dtype(param_dtype)
   cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
   path = run_files.resolve(workdir) / REFERENCE_DIR
   checkpointer = ocp.StandardCheckpointer()
@@ -240,7 +250,7 @@ def commit(state: TrainState, mesh: Mesh | None) -> TrainState:
 
 @dataclasses.dataclass
 class Run:
-  """Everything ``train_and_evaluate`` builds once from the config; ``close`` (or ``with``)
+  """Everything ``train_and_evaluate`` builds once from the run spec; ``close`` (or ``with``)
   waits for the last checkpoint write and ends the verifier's workers."""
   mesh: Mesh | None
   tokenizer: Any
@@ -281,10 +291,9 @@ class Run:
     self.close()
 
 
-def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, TrainState]:
-  """Model, data, rollout, compiled steps, checkpointer and verifier of a run in ``workdir``,
-  and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
-  spec = RunSpec.from_config(config)
+def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
+  """Model, data, rollout, compiled steps, checkpointer and verifier of a run of ``spec`` in
+  ``workdir``, and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
   mesh = build_mesh(spec.mesh, spec.dcn_mesh)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
@@ -298,10 +307,12 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
-  rollout = make_rollout(config, sampler_graphdef, rollout_mesh, tokenizer)
-  lcfg = lora.LoRAConfig.from_config(config.model.get("lora"))
+  r, a = spec.rollout, spec.algorithm
+  engine = engine_args(r, spec.data.max_prompt_length)
+  rollout = make_rollout(r.engine, sampler_graphdef, rollout_mesh, tokenizer, **engine)
+  lcfg = lora.LoRAConfig.from_config(spec.model.lora)
   if lcfg.rank:
-    lora.add_adapters(model, lcfg, seed=config.seed, mesh=mesh)
+    lora.add_adapters(model, lcfg, seed=spec.seed, mesh=mesh)
     to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
   else:
     to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
@@ -311,30 +322,30 @@ def build_run(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, Tra
   if lcfg.rank:
     to_rollout.base = state.rest
   del model
-  iterator = PromptIterator(train_records, config.algorithm.gen_batch_size, config.seed,
-                            num_epochs=config.data.num_epochs or None,
+  iterator = PromptIterator(train_records, a.gen_batch_size, spec.seed,
+                            num_epochs=spec.data.num_epochs or None,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
+  c = spec.checkpoint
   ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
-                           max_to_keep=config.checkpoint.max_to_keep,
-                           async_save=config.checkpoint.async_save,
-                           max_consecutive_failed_saves=(
-                               config.checkpoint.max_consecutive_failed_saves))
-  r, a = config.reward, config.algorithm
-  scorer = RewardScorer(r.verifier, max_response_length=config.rollout.max_response_length,
-                        overlong_buffer_len=r.overlong_buffer_len,
-                        overlong_penalty_factor=r.overlong_penalty_factor,
-                        overlong_buffer_enable=r.overlong_buffer_enable, timeout_s=r.timeout_s,
-                        num_workers=r.num_workers)
+                           max_to_keep=c.max_to_keep, async_save=c.async_save,
+                           max_consecutive_failed_saves=c.max_consecutive_failed_saves)
+  w = spec.reward
+  scorer = RewardScorer(w.verifier, max_response_length=r.max_response_length,
+                        overlong_buffer_len=w.overlong_buffer_len,
+                        overlong_penalty_factor=w.overlong_penalty_factor,
+                        overlong_buffer_enable=w.overlong_buffer_enable, timeout_s=w.timeout_s,
+                        num_workers=w.num_workers)
   generator = Generator(rollout, tokenizer, scorer,
-                        sampling_params(spec.rollout, spec.eval, tokenizer),
-                        num_samples=config.rollout.n,
-                        max_prompt_length=config.data.max_prompt_length,
-                        prompts_per_call=config.rollout.prompts_per_call,
-                        open_stream=make_stream_opener(config, sampler_graphdef, rollout_mesh,
-                                                       rollout))
+                        sampling_params(r, spec.eval, tokenizer),
+                        num_samples=r.n, max_prompt_length=spec.data.max_prompt_length,
+                        prompts_per_call=r.prompts_per_call,
+                        open_stream=make_stream_opener(
+                            r.engine, sampler_graphdef, rollout_mesh, rollout,
+                            gen_batch_size=a.gen_batch_size,
+                            prompts_per_call=r.prompts_per_call, **engine))
   sampler = DynamicSampler(
-      train_batch_size=config.optim.train_batch_size,
+      train_batch_size=spec.optim.train_batch_size,
       max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,
       keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup)
   run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,

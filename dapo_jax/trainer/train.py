@@ -123,9 +123,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
     compiles = teardown.enter_context(compile_cache.CompileCounter())
     teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
-    run, state = run_setup.build_run(config, workdir)
+    run, state = run_setup.build_run(spec, workdir)
     teardown.enter_context(run)
-    evaluator = eval_lib.Evaluator(config, run.rollout, run.tokenizer, run.scorer,
+    evaluator = eval_lib.Evaluator(spec, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
     evaluating = bool(run.eval_records and spec.eval.every)
     state, start_step, resumed = _restore(run, state)
@@ -138,7 +138,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state, result = _before_rl(spec, run, state, evaluator if evaluating else None)
       if result:
         writer.write_scalars(0, result)
-    ref_params = run_setup.reference_policy(config, workdir, state, resumed)  # None: no KL
+    ref_params = run_setup.reference_policy(spec.algorithm.use_kl_loss, spec.model.param_dtype,
+                                            workdir, state, resumed)  # None: no KL
     stop = teardown.enter_context(_StopRequest())
     progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
