@@ -134,13 +134,15 @@ def _libtpu_missing() -> str | None:
 
 
 @pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
-@pytest.mark.parametrize("impl", ["ragged_tpu", "pallas_tpu"])
-def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
+@pytest.mark.parametrize("impl,layers", [("ragged_tpu", 1), ("pallas_tpu", 1), ("ragged_tpu", 2)])
+def test_tpu_plan_compiles_the_paged_engine_chunk(impl, layers):
   """dapo-plan's paged engine for a v5p slice, compiled by libtpu: the pool sized as the
   engine sizes it (90% of the HBM left, capped at every slot at full length plus the queue),
   laid out per data shard and KV head, the kernel inside the chunk (ragged_tpu with the
   combined K/V pool) and run per device: no operand gathered (temporaries far below the
-  pool). One layer of the 0.5B at head_dim 128 (the ragged kernel's lane width)."""
+  pool). One layer of the 0.5B at head_dim 128 (the ragged kernel's lane width); two scanned
+  layers with the ragged kernel: the stacked pool read in place, no layer's pool copied (its
+  copy-on-write once made libtpu relay the whole stacked pool out, three copies a step)."""
   from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
   from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
   args = plan_lib._parse([  # pylint: disable=protected-access
@@ -150,19 +152,20 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
       "--config.rollout.max_concurrent_decodes=8", "--config.mesh=data=2,fsdp=1,tensor=2",
       "--config.rollout.page_size=16", f"--config.rollout.attention_impl={impl}"])
   spec = _replace(plan_lib.configure(args), "model",
-                  overrides=dict(num_hidden_layers=1, head_dim=128))
+                  overrides=dict(num_hidden_layers=layers, head_dim=128))
   target = plan_targets.parse_target(args.target)
   mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
   mesh = shd.make_mesh([("data", 2), ("fsdp", 1), ("tensor", 2)], devices=list(target.devices))
+  assert mcfg.scan_layers
   page_bytes = 16 * plan_paged.kv_bytes_per_token(mcfg, 2)
-  assert page_bytes == 16 * 1 * 2 * 128 * 2  # 1 layer, K and V, 1 of 2 KV heads, bf16
+  assert page_bytes == 16 * layers * 2 * 128 * 2  # layers, K and V, 1 of 2 KV heads, bf16
   roomy = plan_paged.engine_spec(spec, mcfg, "tpu", 2, 2, target.hbm_bytes, 0)
   queue = max(2, -(-2 * 8 // spec.rollout.n))  # the sampler's queued prompts of 4 pages
   # The cap: a shard's 4 of the 8 slots x 8 pages (128 tokens), the queue's prompts, + 1.
   assert roomy.num_pages == 4 * 8 + queue * 4 + 1
   resident = target.hbm_bytes - 2**18  # 0.25 MiB left: 0.225 MiB of pages, below the cap
   paged = plan_paged.engine_spec(spec, mcfg, "tpu", 2, 2, target.hbm_bytes, resident)
-  assert paged.num_pages == int(0.9 * 2**18) // page_bytes == 28 < roomy.num_pages
+  assert paged.num_pages == int(0.9 * 2**18) // page_bytes == 28 // layers < roomy.num_pages
   assert paged.shards == 2
   # Compiled with a pool large next to the chunk's other temporaries (the logits' vocabulary).
   paged = dataclasses.replace(paged, num_pages=8192)
@@ -171,7 +174,7 @@ def test_tpu_plan_compiles_the_paged_engine_chunk(impl):
         spec, mcfg, mesh, plan_programs.sampling_params(spec.rollout, mcfg), paged)
   assert "oom" not in c and c["paged"] == {"pages_per_shard": 8192, "page_size": 16,
                                            "shards": 2, "impl": impl}
-  pool = 8192 * page_bytes  # per chip: its shard's pool, its KV head (64 MiB)
+  pool = 8192 * page_bytes  # per chip: its shard's pool, its KV head (64 MiB a layer)
   assert pool <= c["parts"]["engine_state"] <= pool + 2**20
   assert c["kernel_calls"] >= 1  # the Pallas kernel is in the compiled chunk
-  assert c["memory"]["temp"] < pool  # no gathered pool for the custom call
+  assert c["memory"]["temp"] < pool / (4 if layers > 1 else 1)  # no pool gathered or copied
