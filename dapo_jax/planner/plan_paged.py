@@ -132,7 +132,7 @@ def engine_spec(spec: RunSpec, mcfg: Qwen2Config, platform: str, tensor: int, sh
   p, t = spec.data.max_prompt_length, r.page_size
   if paged_kv.resolve_kv_cache(r.kv_cache, spec.sizes.max_length, platform) != "paged":
     return None
-  full, prompt = paged_kv.pages_for(p + r.max_response_length, t), paged_kv.pages_for(p, t)
+  full, prompt = paged_kv.pages_for(spec.sizes.max_length, t), paged_kv.pages_for(p, t)
   queue = max(2, -(-2 * r.max_concurrent_decodes // r.n))  # ContinuousSampler.queue_prompts
   enough = r.max_concurrent_decodes // shards * full + queue * prompt + 1  # one shard's
   pages, _ = pool_pages(r, mcfg, tensor, hbm_bytes, resident_bytes)
