@@ -146,6 +146,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.algorithm.rollout_is = "none"
   c.algorithm.rollout_is_cap = 2.0
   c.algorithm.rollout_is_band = (0.5, 2.0)
+  # Overlapped rollout (trainer/experience.py, docs/overlap.md): the policy versions a kept
+  # token may lag the update that trains it. 0: today's synchronous step; 1: one-step-off (step
+  # t+1's batch is generated while step t trains); k: the rollout runs up to k versions ahead.
+  # From 1 up the update is the decoupled objective: the ratio is clipped against the recomputed
+  # old log-probs (the proximal policy) and weighted by algorithm.rollout_is's behaviour
+  # correction, which must then be on, unless allow_uncorrected_staleness says otherwise.
+  c.algorithm.max_staleness = 0
+  c.algorithm.allow_uncorrected_staleness = False
 
   c.optim = ml_collections.ConfigDict()
   c.optim.train_batch_size = 512  # prompts per step
@@ -196,6 +204,9 @@ def default_config() -> ml_collections.ConfigDict:
   # rollout by sharding.SAMPLE_RULES on `rollout_mesh` (empty: the same devices as `mesh`).
   c.mesh = [("data", 1), ("fsdp", -1), ("tensor", 1)]
   c.rollout_mesh = []
+  # Devices that only roll out (the last N of jax.devices()); training uses the others, and
+  # `rollout_mesh` lays the N out. 0: rollout and training share every device.
+  c.rollout_devices = 0
   # Multislice (several TPU slices joined by the data-centre network, DCN): how many slices each
   # mesh axis spans, "axis=slices,...", e.g. "data=2" on 2 slices. `mesh` stays the whole mesh;
   # each slice holds mesh/dcn_mesh of it, so fsdp/tensor collectives stay on a slice's ICI links
@@ -288,6 +299,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   if c.algorithm.kl_loss_coef < 0:
     bad("algorithm.kl_loss_coef", c.algorithm.kl_loss_coef, "must be >= 0")
   _check_rollout_is(c, bad)
+  _check_overlap(c, num_devices, bad)
   o = c.optim
   if o.warmup_style not in WARMUP_STYLES:
     bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")
@@ -320,8 +332,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   for field in ("mesh", "rollout_mesh"):
     _check_mesh(field, c[field], bad)
   _check_dcn(c, bad)
-  train_split = (None if num_devices is None
-                 else batch_rules.batch_shards(c.mesh, num_devices, "mesh", bad))
+  train_devices = None if num_devices is None else num_devices - c.rollout_devices
+  train_split = (None if train_devices is None
+                 else batch_rules.batch_shards(c.mesh, train_devices, "mesh", bad))
   batch_rules.check_mini_batch(c, train_split, bad)
   if num_devices is not None:
     batch_rules.check_batch_split(c, num_devices, bad)
@@ -357,6 +370,25 @@ def _check_rollout_is(c: ml_collections.ConfigDict, bad) -> None:
         "corrects the recomputed old log-probs towards the sampler's, but "
         "rollout.use_sampler_logprobs=True makes them the sampler's (every weight 1); "
         "set one of the two off")
+
+
+def _check_overlap(c: ml_collections.ConfigDict, num_devices: int | None, bad) -> None:
+  """``algorithm.max_staleness`` and ``rollout_devices`` (docs/overlap.md)."""
+  a, k = c.algorithm, c.algorithm.max_staleness
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    bad("algorithm.max_staleness", k, "must be an integer >= 0 (0: synchronous)")
+  if k and a.rollout_is == "none" and not a.allow_uncorrected_staleness:
+    bad("algorithm.max_staleness", k,
+        "trains on tokens up to that many policy versions old, which needs the behaviour "
+        "correction of the decoupled objective: set algorithm.rollout_is='token_truncated' (or "
+        "'sequence_mask'), or algorithm.allow_uncorrected_staleness=True to train uncorrected")
+  n = c.rollout_devices
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    bad("rollout_devices", n, "must be an integer >= 0 (0: rollout on the training devices)")
+  if n and num_devices is not None and n >= num_devices:
+    bad("rollout_devices", n,
+        f"leaves no device to train on ({num_devices} devices); on CPU simulate more with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
 def _check_model(m: ml_collections.ConfigDict, bad) -> None:

@@ -86,7 +86,11 @@ def lower_init(state: Any, *, out_formats: Any = None, **static):
   makes it create the state in those layouts."""
   st_sh = jax.tree.map(lambda x: x.sharding, state)
   fn = functools.partial(prog.init_program.__wrapped__, **static)
-  kwargs = {} if out_formats is None else {"out_shardings": out_formats}
+  # Without a mesh the program reads no parameter value (only shapes), so nothing would tie it
+  # to the parameters' device: pinned there (rollout_devices puts them off the default one).
+  kwargs = ({"out_shardings": out_formats} if out_formats is not None else
+            {} if static.get("mesh") is not None else
+            {"out_shardings": replicated_sharding(None, state)})
   return jax.jit(fn, in_shardings=(st_sh,), **kwargs).lower(_abstract(state, st_sh))
 
 

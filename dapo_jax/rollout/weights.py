@@ -36,10 +36,9 @@ class RolloutWeights:
     if self.mesh is None and all(x.dtype == self.dtype for x in floats):
       return params  # one device, already the model's dtype: nothing to cast or move
     if self._fn is None:
-      cast = functools.partial(cast_params, dtype=self.dtype)
       out = (None if self.mesh is None else
              shd.state_shardings(params, self.mesh, shd.SAMPLE_RULES))
-      self._fn = jax.jit(cast, out_shardings=out)
+      self._fn = _cast_and_move(self.dtype, out, params)
     return self._fn(params)
 
 
@@ -88,8 +87,7 @@ class MergedRolloutWeights(RolloutWeights):
       if same and all(x.dtype == self.dtype for x in _floats(base)):
         self._rollout_base = base
       else:
-        self._rollout_base = jax.jit(functools.partial(cast_params, dtype=self.dtype),
-                                     out_shardings=want)(base)
+        self._rollout_base = _cast_and_move(self.dtype, want, base)(base)
         _log.info("LoRA rollout: the frozen base is kept in the rollout layout too (%.1f MiB "
                   "per device, for the run); each step moves only the adapters and merges there.",
                   self.resident_bytes / 2**20)
@@ -125,6 +123,22 @@ class MergedRolloutWeights(RolloutWeights):
       self._fn = jax.jit(merge, out_shardings=self.rollout_shardings(kernels))
     merged = dict(nnx.to_flat_state(self._fn(self.move_adapters(adapters), kernels)))
     return nnx.from_flat_state([(p, merged.get(p, v)) for p, v in flat])
+
+
+def _cast_and_move(dtype: Any, out_shardings: Any, like: Any):
+  """A function casting a tree like ``like`` to ``dtype`` and laying it out as
+  ``out_shardings`` (None: where it is). On the same devices it is one compiled program (the
+  cast, then the reshard); onto other devices (``rollout_devices``: rollout and training on
+  disjoint sets) the cast runs where the tree is, so only the model's bytes move, then
+  ``jax.device_put`` carries them across."""
+  cast = jax.jit(functools.partial(cast_params, dtype=dtype))
+  if out_shardings is None:
+    return cast
+  want = {d for s in jax.tree.leaves(out_shardings) for d in s.device_set}
+  have = {d for x in jax.tree.leaves(like) for d in x.sharding.device_set}
+  if want == have:
+    return jax.jit(functools.partial(cast_params, dtype=dtype), out_shardings=out_shardings)
+  return lambda tree: jax.device_put(cast(tree), out_shardings)
 
 
 def _floats(tree: Any) -> list:

@@ -95,9 +95,10 @@ def check_batch_split(c: ml_collections.ConfigDict, num_devices: int, bad) -> No
   """Every batch-major array must split over the batch axes: a replicated batch makes every
   device compute every row. Names the setting, every rule on it and the nearest sizes that
   pass them all."""
-  roll = batch_shards(c.rollout_mesh or c.mesh, num_devices,
+  split = c.get("rollout_devices", 0)  # devices that only roll out (the rest train)
+  roll = batch_shards(c.rollout_mesh or c.mesh, split or num_devices,
                        "rollout_mesh" if c.rollout_mesh else "mesh", bad)
-  train = batch_shards(c.mesh, num_devices, "mesh", bad)
+  train = batch_shards(c.mesh, num_devices - split, "mesh", bad)
   n, change_mesh = c.rollout.n, "no value nearby does: change the mesh"
 
   def multiples(value, split, per):

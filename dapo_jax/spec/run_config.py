@@ -54,6 +54,7 @@ SAFE_KEYS = {
     # The restore reshards the saved state to any mesh, and a rollout's keys depend only on
     # (seed, step, prompt): a relaunch on another slice size is the same run.
     "mesh": "device layout", "rollout_mesh": "device layout", "dcn_mesh": "device layout",
+    "rollout_devices": "device layout",
     "model.remat": "recompute or store activations (memory only)",
     "reward.num_workers": "verifier processes",
     # The engine's KV memory and kernel: a sample draws the same tokens with the same keys

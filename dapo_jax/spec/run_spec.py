@@ -126,6 +126,8 @@ class AlgorithmSpec:
   rollout_is: str
   rollout_is_cap: float
   rollout_is_band: tuple[float, ...]
+  max_staleness: int
+  allow_uncorrected_staleness: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +221,7 @@ class RunSpec:
   tpu_windowed_einsum: bool
   mesh: Mesh
   rollout_mesh: Mesh  # () = the training mesh's devices
+  rollout_devices: int  # 0 = rollout on the training devices
   dcn_mesh: str
   log_every: int
   num_sample_texts: int

@@ -42,21 +42,38 @@ _log = logging.getLogger(__name__)
 TFDS_NAMES = ("dapo_math_17k", "aime_2024")
 
 
-def build_mesh(axes: MeshAxes, dcn_mesh: str = "") -> Mesh | None:
-  """The training mesh (``spec.mesh``, ``spec.dcn_mesh``); None on a single device (no sharding
-  machinery at all)."""
-  if jax.device_count() == 1:
+def split_devices(rollout_devices: int) -> tuple[list | None, list | None]:
+  """(training devices, rollout devices) for ``rollout_devices`` (``spec.rollout_devices``):
+  the last N devices roll out and the others train; (None, None) when N is 0 (every device
+  does both)."""
+  if not rollout_devices:
+    return None, None
+  devices = jax.devices()
+  if rollout_devices >= len(devices):
+    raise ValueError(f"rollout_devices={rollout_devices} leaves none of the {len(devices)} "
+                     "devices to train on.")
+  return devices[:-rollout_devices], devices[-rollout_devices:]
+
+
+def build_mesh(axes: MeshAxes, dcn_mesh: str = "", devices: Sequence[Any] | None = None
+               ) -> Mesh | None:
+  """The training mesh (``spec.mesh``, ``spec.dcn_mesh``) over ``devices`` (default: all);
+  None on a single device (no sharding machinery at all)."""
+  if devices is None and jax.device_count() == 1:
     return None
-  return shd.make_mesh([tuple(a) for a in axes], dcn_axes=dcn_mesh)
+  return shd.make_mesh([tuple(a) for a in axes], devices=devices, dcn_axes=dcn_mesh)
 
 
-def build_rollout_mesh(axes: MeshAxes, dcn_mesh: str, train_mesh: Mesh | None) -> Mesh | None:
+def build_rollout_mesh(axes: MeshAxes, dcn_mesh: str, train_mesh: Mesh | None,
+                       devices: Sequence[Any] | None = None) -> Mesh | None:
   """The rollout mesh: ``axes`` (``spec.rollout_mesh``) over the same devices, else (empty) the
-  training mesh.
+  training mesh; with ``devices`` (`split_devices`), ``axes`` over those devices alone.
 
   Parameters move between the two layouts once per training step (``rollout.weights``;
   ``sharding.reshard_cost`` gives the peak memory of that move).
   """
+  if devices is not None:
+    return shd.make_mesh([tuple(a) for a in axes], devices=devices, dcn_axes=dcn_mesh)
   if train_mesh is None or not axes:
     return train_mesh
   return shd.make_mesh([tuple(a) for a in axes], dcn_axes=dcn_mesh)
@@ -294,7 +311,8 @@ class Run:
 def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   """Model, data, rollout, compiled steps, checkpointer and verifier of a run of ``spec`` in
   ``workdir``, and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
-  mesh = build_mesh(spec.mesh, spec.dcn_mesh)
+  train_devices, rollout_devices = split_devices(spec.rollout_devices)
+  mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
   _log.info(describe(spec.model, model))
@@ -306,7 +324,8 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
                   else [])
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
-  rollout_mesh = build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
+  rollout_mesh = build_rollout_mesh(spec.rollout_mesh or spec.mesh if rollout_devices else
+                                    spec.rollout_mesh, spec.dcn_mesh, mesh, rollout_devices)
   r, a = spec.rollout, spec.algorithm
   engine = engine_args(r, spec.data.max_prompt_length)
   rollout = make_rollout(r.engine, sampler_graphdef, rollout_mesh, tokenizer, **engine)

@@ -29,6 +29,7 @@ from dapo_jax.infra import curves
 from dapo_jax.trainer import diagnostics
 from dapo_jax.infra import distributed
 from dapo_jax.trainer import evaluate as eval_lib
+from dapo_jax.trainer import experience as exp_lib
 from dapo_jax.trainer import logprob_gap
 from dapo_jax.spec import run_config
 from dapo_jax.infra import run_files
@@ -143,24 +144,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     stop = teardown.enter_context(_StopRequest())
     progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
+    # Experience: sampled when asked (max_staleness 0), or by a rollout running ahead.
+    staleness = spec.algorithm.max_staleness
+    source = exp_lib.open_source(
+        staleness, lambda weights, step, version: _sample(spec, run, weights, step, version),
+        run.to_rollout, lambda: _resume_state(run), start_step=start_step,
+        num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params)
+    teardown.callback(source.close)
     consecutive_skips = 0
     for step in range(start_step, spec.num_steps):
       timer = Timer()
-      with timer("rollout"):
-        traj, ds_stats, diag = _sample(spec, run, state, step)
+      with timer("trainer_idle" if staleness else "rollout"):
+        try:
+          exp = source.next(step, state.params)
+        except DynamicSamplingError as err:
+          raise _sampling_stopped(err, step, spec, run, state) from err
+        traj, ds_stats, diag = exp.batch
         adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
         old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
-                                                     ref_params)
+                                                     ref_params, decoupled=staleness > 0)
       with timer("update"):
         state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp)
+      source.updated(step + 1, state.params)  # the new weights to the rollout
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-      metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step)
+      metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step,
+                             rollout_s=exp.times["rollout"])
       metrics.update(diag)
       metrics.update(_grad_weight_metrics(spec, traj, adv))
+      if staleness:
+        metrics.update(traj_lib.staleness_metrics(traj, step, staleness))
+        metrics.update(_overlap_metrics(exp))
       if evaluating and (step + 1) % spec.eval.every == 0:
-        metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
+        with source.exclusive():
+          metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
       _log_step(spec, writer, progress, step + 1, metrics, traj)
       result = metrics
       if consecutive_skips >= spec.optim.max_consecutive_skips:
@@ -173,7 +191,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       # checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line).
       if (preempted or (step + 1) % spec.checkpoint.save_every == 0
           or step + 1 == spec.num_steps):
-        _save(run, step + 1, state)
+        _save(run, step + 1, state, resume=exp.resume_state)
       if preempted:  # one try: a preempted VM has seconds left
         if run.checkpointer.wait_until_finished():
           _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with "
@@ -233,30 +251,31 @@ def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
   return state, before
 
 
-def _sample(spec: RunSpec, run: run_setup.Run, state: TrainState, step: int
+def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int
             ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
-  """Dynamic sampling (spec 5) with this step's rollout weights, dropped before the update;
-  the step's sampling diagnostics (`diagnostics.sampling_metrics`).
+  """Dynamic sampling (spec 5) of step ``step``'s batch with rollout ``weights`` (policy
+  ``version``); the step's sampling diagnostics (`diagnostics.sampling_metrics`).
 
   ``algorithm.sampling_loop``: "batch" rolls out whole generation batches; "stream" admits
   prompts only while they can be needed and keeps the same groups; "stream_eager" takes
   groups as they finish. A kill mid-rollout resumes from the last checkpoint (a step
-  boundary, where nothing is in flight) and redraws the step with the same keys.
+  boundary, where nothing is in flight) and redraws the step with the same keys. Under
+  ``algorithm.max_staleness`` k >= 1, carried groups that would train more than k versions
+  after their policy are dropped first (counted).
   """
   loop = spec.algorithm.sampling_loop
-  stream = run.generator.stream(run.to_rollout(state.params), rollout_key(spec.seed, step))
+  dropped = _drop_stale_carried(run, step, spec.algorithm.max_staleness)
+  stream = run.generator.stream(weights, rollout_key(spec.seed, step))
   batches = pipeline.global_batches(run.iterator)
   try:
     if loop == "batch":
       groups, ds_stats = run.sampler.sample(batches, generate_fn=stream.generate)
     else:
       groups, ds_stats = run.sampler.sample_stream(batches, stream, wait=loop == "stream")
-  except DynamicSamplingError as err:
-    raise _sampling_stopped(err, step, spec, run, state) from err
   finally:
     decoded = stream.stats()
     stream.close()
-  traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step)
+  traj_lib.stamp_sampled_at(list(groups) + run.sampler.carried_groups, step, version)
   ds_stats.decoded_tokens = int(decoded["decoded_tokens"])
   ds_stats.decode_slot_steps = int(decoded["slot_steps"])
   ds_stats.preemptions = int(decoded.get("preemptions", 0))
@@ -269,7 +288,35 @@ def _sample(spec: RunSpec, run: run_setup.Run, state: TrainState, step: int
   diag = diagnostics.sampling_metrics(stream.log, groups,
                                       max_response_length=r.max_response_length,
                                       rows_per_decode=ppc * r.n)
+  if spec.algorithm.max_staleness:
+    diag["sampling/carried_dropped_stale"] = float(dropped)
   return traj, ds_stats, diag
+
+
+def _drop_stale_carried(run: run_setup.Run, step: int, max_staleness: int) -> int:
+  """Drops the carried groups whose policy is more than ``max_staleness`` versions older than
+  step ``step``; how many (0 when ``max_staleness`` is 0: the synchronous step trains carried
+  groups against their own sampler's log-probs, `traj_lib.behaviour_log_probs`)."""
+  if not max_staleness:
+    return 0
+  carried = run.sampler.carried_groups
+  keep = [g for g in carried if step - traj_lib.policy_version(g) <= max_staleness]
+  if len(keep) < len(carried):
+    run.sampler.carry(keep)
+  return len(carried) - len(keep)
+
+
+def _resume_state(run: run_setup.Run) -> dict[str, Any]:
+  """What a checkpoint needs to continue the data where the last drawn batch left it."""
+  return {"iterator": run.iterator.get_state(), "sampler": run.sampler.state_dict()}
+
+
+def _overlap_metrics(exp: exp_lib.Experience) -> dict[str, float]:
+  """An overlapped step's rollout side: busy, idle and weight hand-off seconds, bytes moved."""
+  t = exp.times
+  return {"time/rollout": t["rollout"], "time/rollout_idle": t["rollout_idle"],
+          "time/weight_sync": t["weight_sync"], "sync/weight_bytes": t["weight_bytes"],
+          "sync/policy_version": float(exp.version)}
 
 
 def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
@@ -284,10 +331,12 @@ def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
 
 
 def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, traj: Trajectories,
-                   step: int, ref_params=None):
+                   step: int, ref_params=None, *, decoupled: bool = False):
   """``(old, entropy, ref)`` log-probs (spec 6.2). Old: the behaviour policy's, the sampler's
   or the training forward's (+ entropy) with the sampler's kept for groups carried from an
-  earlier step. Ref: the KL reference's, in the same compiled pass (None without one)."""
+  earlier step. ``decoupled`` (max_staleness >= 1): the training forward's on every row, the
+  proximal policy of the decoupled objective (the sampler's enter as the behaviour weight).
+  Ref: the KL reference's, in the same compiled pass (None without one)."""
   rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
           distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
   if rollout.use_sampler_logprobs:
@@ -302,6 +351,8 @@ def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, 
     logp, entropy, ref = distributed.global_to_host(
         run.logp_fn(state.params, *rows, ref_params=ref_params))
     ref = np.asarray(ref)
+  if decoupled:
+    return np.asarray(logp, np.float32), entropy, ref
   return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy, ref
 
 
@@ -320,8 +371,9 @@ def _update(spec: RunSpec, run: run_setup.Run, state: TrainState, traj: Trajecto
 
 def step_metrics(spec: RunSpec, state: TrainState, traj: Trajectories, ds_stats: SamplingStats,
                  updates: list[dict[str, Any]], old_logp: np.ndarray, entropy, timer: Timer,
-                 step: int) -> dict[str, float]:
-  """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput."""
+                 step: int, rollout_s: float | None = None) -> dict[str, float]:
+  """One step's logged scalars: update means, rollout, sampling, verifier, time, throughput.
+  ``rollout_s``: the rollout's seconds for the batch (default: the timer's "rollout")."""
   metrics = _mean_metrics(updates)
   metrics["actor/skipped_total"] = float(state.num_skipped)  # over the run, resumes included
   metrics.update(traj_lib.rollout_metrics(
@@ -346,8 +398,9 @@ def step_metrics(spec: RunSpec, state: TrainState, traj: Trajectories, ds_stats:
   metrics["time/step"] = sum(timer.totals.values())
   metrics["perf/trained_tokens_per_s"] = float(mask.sum()) / max(
       timer.totals.get("update", 1e-9), 1e-9)
+  rollout_s = timer.totals["rollout"] if rollout_s is None else rollout_s
   metrics["perf/rollout_tokens_per_s"] = float(
-      ds_stats.rollouts_generated * traj.lengths.mean()) / max(timer.totals["rollout"], 1e-9)
+      ds_stats.rollouts_generated * traj.lengths.mean()) / max(rollout_s, 1e-9)
   return metrics
 
 
@@ -408,10 +461,13 @@ def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
     _save(run, step, state)
 
 
-def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False) -> None:
-  """Params, optimizer state and the JSON meta a resumed run continues from."""
+def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False,
+          resume: dict[str, Any] | None = None) -> None:
+  """Params, optimizer state and the JSON meta a resumed run continues from; ``resume``: the
+  data's state after the last trained batch (`_resume_state`; default: as it is now, which an
+  overlapped rollout may have moved past it)."""
   meta = {"step": step, "update_step": int(state.step), "num_skipped": int(state.num_skipped),
-          "iterator": run.iterator.get_state(), "sampler": run.sampler.state_dict()}
+          **(resume or _resume_state(run))}
   if run.lora_base is not None:  # the base a LoRA run's adapters belong to
     meta["lora_base"] = run.lora_base
   run.checkpointer.save(step, state.params, state.opt_state, meta, force=force)

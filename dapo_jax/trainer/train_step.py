@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -214,6 +215,13 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
     # Mean weight over the tokens before the correction: a dropped sequence's count 0, so under
     # "sequence_mask" it is the share of tokens kept.
     is_metrics = {"rollout_is_weight": obj.masked_mean(is_BxR, before_BxR)}
+    if cfg.rollout_is == "token_truncated":  # the share of tokens whose weight hit the cap
+      log_rho_BxR = (batch.old_log_probs.astype(jnp.float32)
+                     - batch.sampler_log_probs.astype(jnp.float32))
+      is_metrics["rollout_is_capped"] = obj.masked_mean(
+          log_rho_BxR > math.log(cfg.rollout_is_cap), before_BxR)
+    elif cfg.rollout_is == "sequence_mask":  # the share of tokens left out of the loss
+      is_metrics["rollout_is_masked"] = 1.0 - obj.masked_mean(mask_BxR > 0, before_BxR)
   on_BxR = mask_BxR > 0
   on_B = jnp.any(on_BxR, axis=-1)
   old_BxR = jnp.where(on_BxR, batch.old_log_probs.astype(jnp.float32), 0.0)

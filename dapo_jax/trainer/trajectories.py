@@ -50,6 +50,10 @@ class ScoredGroup(Group):
   # The rollout step whose policy sampled the group (-1: not stamped yet); a group carried over
   # by keep_surplus trains at a later step, off-policy (spec 6.2).
   sampled_at_step: int = -1
+  # The policy version (the RL step whose starting weights sampled it; -1: not stamped, or a
+  # checkpoint older than the field, read as ``sampled_at_step``). Equal to ``sampled_at_step``
+  # in a synchronous run; up to algorithm.max_staleness lower in an overlapped one.
+  policy_version: int = -1
 
   def to_json(self) -> dict[str, Any]:
     """JSON values, in the layout of the checkpoints' ``sampler.carried`` entries."""
@@ -86,6 +90,7 @@ class Trajectories:
   texts: list[str]
   prompts: list[str]
   sampled_at_step: np.ndarray | None = None  # [N] int32, the group's `sampled_at_step`
+  policy_version: np.ndarray | None = None  # [N] int32, the group's `policy_version`
   verifier_errors: int = 0  # summed over the groups
   verifier_timeouts: int = 0
 
@@ -113,6 +118,8 @@ class Trajectories:
         overlong_penalty=cat("penalty"), group_ids=group_ids,
         sampled_at_step=np.concatenate(
             [np.full(g.size, g.sampled_at_step, np.int32) for g in groups]),
+        policy_version=np.concatenate(
+            [np.full(g.size, policy_version(g), np.int32) for g in groups]),
         texts=[t for g in groups for t in g.texts], prompts=[g.prompt.prompt for g in groups],
         verifier_errors=sum(g.num_errors for g in groups),
         verifier_timeouts=sum(g.num_timeouts for g in groups))
@@ -124,13 +131,35 @@ class Trajectories:
     return self.sampled_at_step < step
 
 
-def stamp_sampled_at(groups: Sequence[ScoredGroup], step: int) -> None:
+def stamp_sampled_at(groups: Sequence[ScoredGroup], step: int, version: int | None = None
+                     ) -> None:
   """Marks the groups no step has claimed yet (those this step generated, trained or carried)
-  as sampled by ``step``'s policy. Groups of a checkpoint older than the field count as this
-  step's, as they did before it existed."""
+  as sampled for step ``step`` by policy ``version`` (default: ``step``'s own, the synchronous
+  step). Groups of a checkpoint older than the field count as this step's, as they did before
+  it existed."""
   for g in groups:
     if g.sampled_at_step < 0:
       g.sampled_at_step = step
+      g.policy_version = step if version is None else version
+
+
+def policy_version(g: ScoredGroup) -> int:
+  """The version of the policy that sampled ``g`` (a group stamped before the field existed:
+  its step's)."""
+  return g.policy_version if g.policy_version >= 0 else g.sampled_at_step
+
+
+def staleness_metrics(traj: Trajectories, step: int, max_staleness: int) -> dict[str, float]:
+  """How many policy versions the trained tokens lag the update at ``step``: the mean, the
+  maximum and the share of response tokens at each lag 0..``max_staleness``."""
+  lag_N = step - traj.policy_version
+  tokens_N = traj.response_mask.sum(axis=1).astype(np.float64)
+  total = max(float(tokens_N.sum()), 1.0)
+  out = {"staleness/mean": float((lag_N * tokens_N).sum() / total),
+         "staleness/max": float(lag_N.max())}
+  for k in range(max_staleness + 1):
+    out[f"staleness/tokens_at_{k}"] = float(tokens_N[lag_N == k].sum() / total)
+  return out
 
 
 def behaviour_log_probs(traj: Trajectories, recomputed: np.ndarray, step: int) -> np.ndarray:

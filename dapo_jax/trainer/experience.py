@@ -1,0 +1,207 @@
+"""Where the loop's experience comes from: the synchronous step, or a rollout overlapped with
+the update under bounded staleness (``algorithm.max_staleness``, docs/overlap.md).
+
+``train_and_evaluate`` reads both the same way: ``next(step, params)`` gives the step's scored
+batch (an `Experience`, stamped with the policy version that sampled it), ``updated(step,
+params)`` hands the weights after an update to the rollout, and ``exclusive()`` holds the
+rollout engine for an evaluation.
+
+The overlapped source rolls out in a background thread, on ``rollout_devices`` of their own or
+on the training devices. Its schedule is fixed in advance, so its results never depend on
+timing: step t's batch is sampled by the weights of version
+
+    v(t) = max(t - k, the last checkpoint step <= t, the run's first step)
+
+(version t = the weights step t starts from). At k = 1 step t+1's batch is generated while
+step t trains. A periodic checkpoint is a sync point: nothing is in flight when it is written,
+so a run killed and resumed from it regenerates exactly what the uninterrupted run generated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Experience:
+  """One step's batch. ``batch`` is the sample function's output (trajectories, sampling stats,
+  diagnostics); ``resume_state`` the data iterator's and dynamic sampler's states right after
+  it was drawn (what a checkpoint of this step saves); ``times`` seconds spent on it."""
+  step: int
+  version: int
+  batch: Any
+  resume_state: dict[str, Any]
+  times: dict[str, float]
+
+
+# (rollout weights, step, policy version) -> the step's batch.
+SampleFn = Callable[[Any, int, int], Any]
+
+
+class SyncExperience:
+  """Today's step: the batch is sampled by the step's own weights when the loop asks for it."""
+
+  max_staleness = 0
+
+  def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
+               resume_state: Callable[[], dict[str, Any]]):
+    self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
+
+  def next(self, step: int, params: Any) -> Experience:
+    t0 = time.perf_counter()
+    batch = self._sample(self._to_rollout(params), step, step)
+    return Experience(step, step, batch, self._resume_state(),
+                      {"rollout": time.perf_counter() - t0})
+
+  def updated(self, step: int, params: Any) -> None:
+    del step, params  # the next step's batch is sampled by then
+
+  @contextlib.contextmanager
+  def exclusive(self):
+    yield
+
+  def close(self) -> None:
+    pass
+
+
+class _Stopped(Exception):
+  """The source was closed while the rollout thread waited."""
+
+
+class OverlappedExperience:
+  """The rollout runs ahead of the update by up to ``max_staleness`` policy versions, in a
+  thread of its own (module docstring: the schedule)."""
+
+  def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
+               resume_state: Callable[[], dict[str, Any]], *, max_staleness: int,
+               start_step: int, num_steps: int, save_every: int, params: Any):
+    if max_staleness < 1:
+      raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+          "algorithm.max_staleness >= 1 runs in one process for now: the rollout thread's "
+          "cross-process gathers would interleave with the trainer's (docs/overlap.md).")
+    self.max_staleness = max_staleness
+    self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
+    self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
+    self._cond = threading.Condition()
+    self._engine = threading.Lock()  # the rollout engine: the thread's batches, or evaluation
+    self._weights: dict[int, tuple[Any, float]] = {}  # version -> (weights, seconds to hand off)
+    self._results: dict[int, Experience | BaseException] = {}
+    self._stop = False
+    self.updated(start_step, params)
+    self._thread = threading.Thread(target=self._produce, name="dapo-rollout", daemon=True)
+    self._thread.start()
+
+  def version(self, step: int) -> int:
+    """The policy version that samples ``step``'s batch (module docstring)."""
+    synced = step // self._save_every * self._save_every
+    return max(step - self.max_staleness, synced, self._start)
+
+  def next(self, step: int, params: Any) -> Experience:
+    del params  # sampled by an earlier version, handed over by `updated`
+    t0 = time.perf_counter()
+    with self._cond:
+      while step not in self._results:
+        if not self._thread.is_alive():
+          raise RuntimeError(f"The rollout thread ended before step {step}'s batch.")
+        self._cond.wait(timeout=1.0)
+      out = self._results.pop(step)
+    if isinstance(out, BaseException):
+      raise out
+    out.times["trainer_idle"] = time.perf_counter() - t0
+    return out
+
+  def updated(self, step: int, params: Any) -> None:
+    """Hands version ``step`` (the weights after step ``step - 1``'s update) to the rollout,
+    if a batch still to come is sampled by it. The cast and the move are dispatched here and
+    run while the update goes on; the rollout thread waits for them only when it starts the
+    batch that needs them."""
+    if not any(self.version(t) == step for t in range(step, min(step + self.max_staleness + 1,
+                                                                 self._end))):
+      return
+    t0 = time.perf_counter()
+    weights = self._to_rollout(params)
+    if weights is params:  # one device, same dtype: the update would donate these very arrays
+      weights = jax.tree.map(jnp.copy, params)
+    with self._cond:
+      self._weights[step] = (weights, time.perf_counter() - t0)
+      self._cond.notify_all()
+
+  @contextlib.contextmanager
+  def exclusive(self):
+    """The rollout engine for the caller alone (evaluation), between two of the thread's
+    batches."""
+    with self._engine:
+      yield
+
+  def close(self) -> None:
+    """Stops the thread once its batch in flight is done (nothing is cut mid-batch)."""
+    with self._cond:
+      self._stop = True
+      self._cond.notify_all()
+    self._thread.join()
+
+  def _wait_for(self, version: int) -> tuple[Any, float]:
+    with self._cond:
+      while version not in self._weights:
+        if self._stop:
+          raise _Stopped()
+        self._cond.wait()
+      return self._weights[version]
+
+  def _produce(self) -> None:
+    for step in range(self._start, self._end):
+      try:
+        t0 = time.perf_counter()
+        v = self.version(step)
+        weights, handoff_s = self._wait_for(v)
+        t1 = time.perf_counter()
+        jax.block_until_ready(weights)  # the move, if still under way
+        t2 = time.perf_counter()
+        with self._engine:
+          batch = self._sample(weights, step, v)
+          resume = self._resume_state()
+        t3 = time.perf_counter()
+        out: Experience | BaseException = Experience(
+            step, v, batch, resume,
+            {"rollout": t3 - t2, "rollout_idle": t1 - t0,
+             "weight_sync": handoff_s + (t2 - t1), "weight_bytes": float(_nbytes(weights))})
+      except _Stopped:
+        return
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the trainer)
+        out = e
+      with self._cond:
+        self._results[step] = out
+        keep = self.version(step + 1)
+        for old in [u for u in self._weights if u < keep]:
+          del self._weights[old]
+        self._cond.notify_all()
+      if isinstance(out, BaseException):
+        return
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def open_source(max_staleness: int, sample: SampleFn, to_rollout: Callable[[Any], Any],
+                resume_state: Callable[[], dict[str, Any]], *, start_step: int, num_steps: int,
+                save_every: int, params: Any):
+  """The run's experience source: `SyncExperience` at ``max_staleness`` 0, else
+  `OverlappedExperience`."""
+  if not max_staleness:
+    return SyncExperience(sample, to_rollout, resume_state)
+  return OverlappedExperience(sample, to_rollout, resume_state, max_staleness=max_staleness,
+                              start_step=start_step, num_steps=num_steps,
+                              save_every=save_every, params=params)

@@ -1,0 +1,161 @@
+"""Overlapped rollout (algorithm.max_staleness, trainer/experience.py): the schedule, the
+decoupled objective's old log-probs, the config's refusals, and a tiny run on split devices
+that reproduces itself across a kill and resume."""
+
+import json
+import os
+import threading
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax.config import ConfigError, validate
+from dapo_jax.trainer import experience
+from dapo_jax.trainer import train
+from dapo_jax.trainer import trajectories as traj_lib
+from dapo_jax.trainer.train import train_and_evaluate
+from tests.test_train_e2e import _small_config
+
+_TIMING = ("time/", "perf/")
+
+
+def _source(k, *, start=0, end=8, save_every=100, fail_at=None):
+  """An overlapped source over a fake rollout: weights are their version number, a batch
+  records the weights it was sampled with."""
+  calls = []
+
+  def sample(weights, step, version):
+    if step == fail_at:
+      raise RuntimeError(f"rollout failed at {step}")
+    calls.append((step, version, int(weights)))
+    return int(weights)
+
+  src = experience.OverlappedExperience(
+      sample, lambda params: jnp.asarray(params), lambda: {"at": len(calls)},
+      max_staleness=k, start_step=start, num_steps=end, save_every=save_every,
+      params=jnp.asarray(start))
+  return src, calls
+
+
+@pytest.mark.parametrize("k,save_every,versions", [
+    (1, 100, [0, 0, 1, 2, 3, 4]),
+    (2, 100, [0, 0, 0, 1, 2, 3]),
+    (1, 3, [0, 0, 1, 3, 3, 4]),  # step 3 follows a checkpoint: sampled by its own weights
+])
+def test_schedule_samples_each_step_with_the_version_it_names(k, save_every, versions):
+  src, calls = _source(k, end=len(versions), save_every=save_every)
+  try:
+    for step in range(len(versions)):
+      exp = src.next(step, None)
+      assert (exp.step, exp.version, exp.batch) == (step, versions[step], versions[step])
+      assert step - exp.version <= k
+      src.updated(step + 1, jnp.asarray(step + 1))  # version step + 1 = "weights" step + 1
+  finally:
+    src.close()
+  assert [c[1] for c in calls] == versions
+  assert all(v == w for _, v, w in calls)  # each batch saw exactly its version's weights
+
+
+def test_rollout_runs_ahead_while_the_update_runs():
+  """With k = 1 the batch of step 1 is drawn before step 0's update hands its weights over."""
+  src, calls = _source(1, end=3)
+  try:
+    src.next(0, None)
+    deadline = threading.Event()
+    for _ in range(200):  # the thread draws step 1 with version 0, unprompted
+      if len(calls) >= 2:
+        break
+      deadline.wait(0.05)
+    assert calls[:2] == [(0, 0, 0), (1, 0, 0)]
+    assert len(calls) == 2  # step 2 waits for version 1
+  finally:
+    src.close()
+
+
+def test_a_rollout_error_reaches_the_trainer_at_its_step():
+  src, _ = _source(1, end=4, fail_at=1)
+  try:
+    src.next(0, None)
+    with pytest.raises(RuntimeError, match="rollout failed at 1"):
+      src.next(1, None)
+  finally:
+    src.close()
+
+
+def test_decoupled_old_log_probs_are_the_proximal_policys_on_every_row():
+  """At max_staleness >= 1 every row's old log-probs are recomputed (the proximal policy), a
+  carried group's too; the synchronous step keeps a carried group's sampler log-probs."""
+  n, r = 4, 3
+  traj = types.SimpleNamespace(
+      input_ids=np.zeros((n, 5), np.int32), attention_mask=np.ones((n, 5), bool),
+      response_len=r, sampler_logprobs=np.full((n, r), -2.0, np.float32),
+      carried_rows=lambda step: np.array([True, True, False, False]))
+  run = types.SimpleNamespace(mesh=None, logp_fn=lambda params, ids, mask, rr: (
+      np.full((ids.shape[0], rr), -1.0, np.float32), np.zeros((ids.shape[0], rr))))
+  rollout = types.SimpleNamespace(use_sampler_logprobs=False)
+  state = types.SimpleNamespace(params=None)
+  sync, _, _ = train._old_log_probs(rollout, run, state, traj, 1)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(sync[:2], -2.0)
+  decoupled, _, _ = train._old_log_probs(rollout, run, state, traj, 1, decoupled=True)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(decoupled, -1.0)
+
+
+def test_staleness_metrics_weigh_tokens_by_their_lag():
+  traj = types.SimpleNamespace(policy_version=np.array([5, 5, 4, 4]),
+                               response_mask=np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1],
+                                                       [1, 1, 1]], bool))
+  m = traj_lib.staleness_metrics(traj, 5, 2)
+  assert m["staleness/tokens_at_0"] == pytest.approx(3 / 9)
+  assert m["staleness/tokens_at_1"] == pytest.approx(6 / 9)
+  assert m["staleness/tokens_at_2"] == 0.0
+  assert (m["staleness/max"], m["staleness/mean"]) == (1.0, pytest.approx(6 / 9))
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"algorithm.max_staleness": 1}, "needs the behaviour correction"),
+    ({"algorithm.max_staleness": -1}, "must be an integer >= 0"),
+    ({"rollout_devices": 8}, "leaves no device to train on"),
+])
+def test_config_refuses(over, message):
+  with pytest.raises(ConfigError, match=message):
+    validate(_small_config(**over), num_devices=8)
+
+
+def test_config_accepts_corrected_or_explicitly_uncorrected_staleness():
+  validate(_small_config(**{"algorithm.max_staleness": 2,
+                            "algorithm.rollout_is": "token_truncated"}), num_devices=8)
+  validate(_small_config(**{"algorithm.max_staleness": 1,
+                            "algorithm.allow_uncorrected_staleness": True}), num_devices=8)
+
+
+def _metrics(workdir):
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: {k: v for k, v in r.items() if not k.startswith(_TIMING)}
+          for r in rows if r["step"] > 0}
+
+
+def _overlap_config(num_steps):
+  return _small_config(**{
+      "num_steps": num_steps, "algorithm.max_staleness": 1,
+      "algorithm.rollout_is": "token_truncated", "rollout_devices": 4,
+      "checkpoint.save_every": 2, "eval.every": 2})
+
+
+def test_overlapped_run_on_split_devices_resumes_bit_for_bit(tmp_path):
+  """Rollout on 4 devices, training on the other 4, one step off. A run stopped after its
+  step-2 checkpoint and relaunched equals the uninterrupted run: metrics and weights."""
+  assert jax.device_count() == 8
+  whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+  out = train_and_evaluate(_overlap_config(4), whole)
+  train_and_evaluate(_overlap_config(2), split)
+  train_and_evaluate(_overlap_config(4), split)
+  a, b = _metrics(whole), _metrics(split)
+  assert a == b
+  assert [a[s]["sync/policy_version"] for s in (1, 2, 3, 4)] == [0, 0, 2, 2]
+  assert [a[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
+  assert all(0 < a[s]["actor/rollout_is_weight"] for s in a)
+  assert "eval/avg@4" in a[2] and "eval/avg@4" in out
+  assert all(a[s]["sync/weight_bytes"] > 0 for s in a)
