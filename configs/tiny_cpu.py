@@ -7,6 +7,12 @@ drops all-correct / all-wrong groups, decoupled clipping fires, and the overlong
 (responses past max_response_length - buffer) shapes rewards. Variants for the project's own
 Table 1: `configs/tiny_cpu.py:naive_grpo`, `:no_dynamic_sampling`, `:no_token_mean`,
 `:no_clip_higher`, `:no_overlong_shaping`.
+
+`:overlap` rolls out on a second (simulated) CPU device one step ahead of the update
+(docs/overlap.md):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+        .venv/bin/dapo-train --config configs/tiny_cpu.py:overlap --workdir workdirs/overlap
 """
 
 from dapo_jax.config import default_config
@@ -71,6 +77,10 @@ def get_config(arg: str | None = None):
     c.algorithm.clip_ratio_high = 0.2
   elif variant == "no_overlong_shaping":
     c.reward.overlong_buffer_enable = False
+  elif variant == "overlap":  # one step off on its own device, token-TIS behaviour weights
+    c.rollout_devices = 1
+    c.algorithm.max_staleness = 1
+    c.algorithm.rollout_is = "token_truncated"
   elif variant != "dapo":
     raise ValueError(f"Unknown tiny_cpu variant {variant!r}.")
   return c

@@ -44,6 +44,12 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("sampler vs trainer: bit-equal share, seqs outside [0.5, 2]",
      ("rollout/bit_equal", "rollout/seq_outside_band")),
     ("sampler vs trainer: token IS weight", ("rollout/is_weight_*",)),
+    # An overlapped run (algorithm.max_staleness >= 1, trainer/experience.py).
+    ("overlap: idle and weight hand-off seconds",
+     ("time/trainer_idle", "time/rollout_idle", "time/weight_sync")),
+    ("overlap: share of trained tokens by staleness", ("staleness/tokens_at_*",)),
+    ("behaviour weights: mean, share capped or masked",
+     ("*rollout_is_weight", "*rollout_is_capped", "*rollout_is_masked")),
 )
 
 

@@ -1,0 +1,160 @@
+r"""The CPU demo (configs/tiny_cpu.py) synchronous against overlapped (algorithm.max_staleness):
+RL steps per hour, trainer and rollout idle, and held-out accuracy, from the committed warm
+starts. Resumable: a finished run's workdir is read, not run again. Run it alone (it times).
+
+    python bench/overlap_demo.py --num_steps 40 --layouts sync,async1   # the speed ratio
+    python bench/overlap_demo.py --num_steps 160 --seeds 0,1,2 \
+        --out bench/results/overlap/demo_160.json                        # accuracy, 3 seeds
+
+Layouts (each a dapo-train run of the demo; --config.x=y after `--` go to every run):
+  sync          today's demo: one CPU device, rollout and update take turns
+  sync_2dev     two devices, both phases sharded over both, in turns
+  sync_split    rollout on device 1, training on device 0, in turns (max_staleness 0)
+  async1        the same split, one step off (max_staleness 1, token-TIS behaviour weights)
+  async2        the same split, up to two versions behind (max_staleness 2)
+  async1_coloc  one device, one step off (both phases on it, from two threads)
+  async4        split, max_staleness 4 (stress)
+  async4_uncorrected  split, max_staleness 4 without the behaviour correction (explicit flag)
+
+Wall time per step is read from the step log lines' timestamps, from the second step to the
+last (the first step compiles), so it includes evaluation and checkpoints as a user sees them.
+The bound is what perfect overlap of the sync run's own measured phases would give: (rollout +
+old log-probs + update + rest) / (max(rollout, old log-probs + update) + rest), where rest is
+the sync step's wall time outside the three phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = "bench/results/ablation/warm_starts/seed{seed}_sft600"
+SPLIT = ["--config.rollout_devices=1"]
+CORRECTED = ["--config.algorithm.rollout_is=token_truncated"]
+LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
+    "sync": (1, []),
+    "sync_2dev": (2, []),
+    "sync_split": (2, SPLIT),
+    "async1": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=1"]),
+    "async2": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=2"]),
+    "async1_coloc": (1, CORRECTED + ["--config.algorithm.max_staleness=1"]),
+    "async4": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=4"]),
+    "async4_uncorrected": (2, SPLIT + ["--config.algorithm.max_staleness=4",
+                                       "--config.algorithm.allow_uncorrected_staleness=True"]),
+}
+_STEP_LINE = re.compile(r"^(\S+ \S+) \S+: step (\d+)/(\d+)")
+
+
+def _rows(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _step_times(log_path: str) -> dict[int, float]:
+  """Step -> the wall-clock second its log line was written."""
+  out = {}
+  with open(log_path) as f:
+    for line in f:
+      m = _STEP_LINE.match(line)
+      if m:
+        t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        out[int(m.group(2))] = t.timestamp()
+  return out
+
+
+def _run(layout: str, seed: int, args) -> str:
+  workdir = os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}")
+  rows = _rows(workdir)
+  if rows and rows[-1].get("step") == args.num_steps:
+    return workdir
+  devices, flags = LAYOUTS[layout]
+  cmd = [sys.executable, "-m", "dapo_jax.main", "--config=configs/tiny_cpu.py",
+         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_steps={args.num_steps}",
+         f"--config.eval.every={args.eval_every}", "--config.sft.steps=0",
+         f"--config.model.checkpoint={os.path.join(ROOT, WARM.format(seed=seed))}",
+         "--config.logging.console=lines", *flags, *args.extra]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  print(" ".join(cmd), flush=True)
+  with open(os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}.log"), "w") as log:
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+  return workdir
+
+
+def _summary(workdir: str, log_path: str) -> dict:
+  rows = [r for r in _rows(workdir) if r["step"] > 0]
+  times = _step_times(log_path)
+  steps = sorted(times)
+  first = steps[min(1, len(steps) - 1)]
+  wall = (times[steps[-1]] - times[first]) / max(steps[-1] - first, 1)
+  # The first two steps compile (the update's programs, then an overlapped rollout's wait
+  # for them): averages over the rest.
+  tot = lambda k: sum(r.get(k, 0.0) for r in rows[2:])
+  n = max(len(rows) - 2, 1)
+  out = {"wall_s_per_step": wall, "steps_per_hour": 3600.0 / wall,
+         "rollout_s": tot("time/rollout") / n, "old_logprob_s": tot("time/old_logprob") / n,
+         "update_s": tot("time/update") / n, "trainer_idle_s": tot("time/trainer_idle") / n,
+         "rollout_idle_s": tot("time/rollout_idle") / n,
+         "weight_sync_s": tot("time/weight_sync") / n,
+         "weight_bytes": rows[-1].get("sync/weight_bytes", 0.0)}
+  out["trainer_idle_fraction"] = out["trainer_idle_s"] / wall
+  if "time/rollout_idle" in rows[-1]:
+    out["rollout_idle_fraction"] = out["rollout_idle_s"] / wall
+  evals = [(r["step"], r["eval/avg@4"]) for r in _rows(workdir) if "eval/avg@4" in r]
+  out["held_out"] = evals[-1][1] if evals else None
+  out["held_out_start"] = evals[0][1] if evals else None
+  out["gen_batches"] = sum(r.get("sampling/num_gen_batches", 0.0) for r in rows) / len(rows)
+  if "staleness/mean" in rows[-1]:
+    out["staleness_mean"] = sum(r["staleness/mean"] for r in rows) / len(rows)
+    out["behaviour_weight_mean"] = sum(r.get("actor/rollout_is_weight", 1.0)
+                                       for r in rows) / len(rows)
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--num_steps", type=int, default=40)
+  ap.add_argument("--eval_every", type=int, default=20)
+  ap.add_argument("--seeds", default="0")
+  ap.add_argument("--layouts", default="sync,sync_split,async1")
+  ap.add_argument("--workdir", default="/tmp/overlap_demo")
+  ap.add_argument("--out", default="bench/results/overlap/demo.json")
+  ap.add_argument("extra", nargs="*", help="more dapo-train flags for every run (after --)")
+  args = ap.parse_args()
+  os.makedirs(args.workdir, exist_ok=True)
+  seeds = [int(s) for s in args.seeds.split(",")]
+  layouts = args.layouts.split(",")
+  result = {"command": "python " + " ".join(sys.argv), "runs": {}}
+  for seed in seeds:
+    for layout in layouts:
+      workdir = _run(layout, seed, args)
+      result["runs"][f"{layout}_s{seed}"] = _summary(
+          workdir, os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}.log"))
+  for seed in seeds:
+    base = result["runs"].get(f"sync_s{seed}")
+    if base is None:
+      continue
+    rest = base["wall_s_per_step"] - base["rollout_s"] - base["old_logprob_s"] - base["update_s"]
+    train_s = base["old_logprob_s"] + base["update_s"]
+    base["overlap_bound"] = base["wall_s_per_step"] / (max(base["rollout_s"], train_s) + rest)
+    for layout in layouts:
+      r = result["runs"][f"{layout}_s{seed}"]
+      r["speedup_vs_sync"] = base["wall_s_per_step"] / r["wall_s_per_step"]
+  print(json.dumps(result, indent=1))
+  out = os.path.join(ROOT, args.out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
