@@ -154,6 +154,10 @@ def default_config() -> ml_collections.ConfigDict:
   # correction, which must then be on, unless allow_uncorrected_staleness says otherwise.
   c.algorithm.max_staleness = 0
   c.algorithm.allow_uncorrected_staleness = False
+  # Partial rollouts (max_staleness >= 1, the continuous engine, a streaming sampling loop):
+  # samples in flight move on to each newer policy as it is handed over, keeping their KV, and
+  # every token records its version. Fresher tokens; the run then depends on timing.
+  c.algorithm.partial_rollouts = False
 
   c.optim = ml_collections.ConfigDict()
   c.optim.train_batch_size = 512  # prompts per step
@@ -382,6 +386,15 @@ def _check_overlap(c: ml_collections.ConfigDict, num_devices: int | None, bad) -
         "trains on tokens up to that many policy versions old, which needs the behaviour "
         "correction of the decoupled objective: set algorithm.rollout_is='token_truncated' (or "
         "'sequence_mask'), or algorithm.allow_uncorrected_staleness=True to train uncorrected")
+  if a.partial_rollouts and not k:
+    bad("algorithm.partial_rollouts", True, "needs algorithm.max_staleness >= 1 (a rollout "
+        "running ahead of the update)")
+  if a.partial_rollouts and c.rollout.engine != "continuous":
+    bad("algorithm.partial_rollouts", True, "needs rollout.engine='continuous' (the static "
+        "engine decodes a call with one set of weights)")
+  if a.partial_rollouts and a.sampling_loop == "batch":
+    bad("algorithm.partial_rollouts", True, "needs a streaming algorithm.sampling_loop "
+        "('stream' or 'stream_eager'): weights change between polls of the stream")
   n = c.rollout_devices
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
     bad("rollout_devices", n, "must be an integer >= 0 (0: rollout on the training devices)")

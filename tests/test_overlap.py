@@ -22,21 +22,24 @@ from tests.test_train_e2e import _small_config
 _TIMING = ("time/", "perf/")
 
 
-def _source(k, *, start=0, end=8, save_every=100, fail_at=None):
+def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False):
   """An overlapped source over a fake rollout: weights are their version number, a batch
-  records the weights it was sampled with."""
+  records the weights it was sampled with (and, partial, any newer ones it moved on to)."""
   calls = []
 
-  def sample(weights, step, version):
+  def sample(weights, step, version, newest):
     if step == fail_at:
       raise RuntimeError(f"rollout failed at {step}")
     calls.append((step, version, int(weights)))
+    if newest is not None:
+      newer = newest()
+      calls[-1] += (None if newer is None else (int(newer[0]), newer[1]),)
     return int(weights)
 
   src = experience.OverlappedExperience(
       sample, lambda params: jnp.asarray(params), lambda: {"at": len(calls)},
       max_staleness=k, start_step=start, num_steps=end, save_every=save_every,
-      params=jnp.asarray(start))
+      params=jnp.asarray(start), partial=partial)
   return src, calls
 
 
@@ -75,6 +78,23 @@ def test_rollout_runs_ahead_while_the_update_runs():
     src.close()
 
 
+def test_partial_rollouts_move_on_to_the_newest_handed_over_version():
+  """k = 2, partial: a batch starts with its scheduled version; asked for newer weights, the
+  source offers the newest version handed over since, never an older one (which versions are
+  out by then depends on timing)."""
+  src, calls = _source(2, end=4, partial=True)
+  try:
+    for step in range(4):
+      src.next(step, None)
+      src.updated(step + 1, jnp.asarray(step + 1))
+  finally:
+    src.close()
+  for step, version, weights, newer in calls:
+    assert weights == version == max(step - 2, 0)
+    if newer is not None:
+      assert newer[0] == newer[1] > version and step - newer[1] <= 2
+
+
 def test_a_rollout_error_reaches_the_trainer_at_its_step():
   src, _ = _source(1, end=4, fail_at=1)
   try:
@@ -104,7 +124,7 @@ def test_decoupled_old_log_probs_are_the_proximal_policys_on_every_row():
 
 
 def test_staleness_metrics_weigh_tokens_by_their_lag():
-  traj = types.SimpleNamespace(policy_version=np.array([5, 5, 4, 4]),
+  traj = types.SimpleNamespace(policy_version=np.array([5, 5, 4, 4]), token_version=None,
                                response_mask=np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1],
                                                        [1, 1, 1]], bool))
   m = traj_lib.staleness_metrics(traj, 5, 2)
@@ -112,12 +132,21 @@ def test_staleness_metrics_weigh_tokens_by_their_lag():
   assert m["staleness/tokens_at_1"] == pytest.approx(6 / 9)
   assert m["staleness/tokens_at_2"] == 0.0
   assert (m["staleness/max"], m["staleness/mean"]) == (1.0, pytest.approx(6 / 9))
+  # Partial rollouts: each token's own version (row 2's last two tokens sampled by version 5).
+  traj.token_version = np.where(traj.response_mask, traj.policy_version[:, None], -1)
+  traj.token_version[2, 1:] = 5
+  m = traj_lib.staleness_metrics(traj, 5, 2)
+  assert m["staleness/tokens_at_0"] == pytest.approx(5 / 9)
 
 
 @pytest.mark.parametrize("over,message", [
     ({"algorithm.max_staleness": 1}, "needs the behaviour correction"),
     ({"algorithm.max_staleness": -1}, "must be an integer >= 0"),
     ({"rollout_devices": 8}, "leaves no device to train on"),
+    ({"algorithm.partial_rollouts": True}, "needs algorithm.max_staleness >= 1"),
+    ({"algorithm.partial_rollouts": True, "algorithm.max_staleness": 1,
+      "algorithm.rollout_is": "token_truncated", "rollout.engine": "static"},
+     "needs rollout.engine='continuous'"),
 ])
 def test_config_refuses(over, message):
   with pytest.raises(ConfigError, match=message):
@@ -159,3 +188,17 @@ def test_overlapped_run_on_split_devices_resumes_bit_for_bit(tmp_path):
   assert all(0 < a[s]["actor/rollout_is_weight"] for s in a)
   assert "eval/avg@4" in a[2] and "eval/avg@4" in out
   assert all(a[s]["sync/weight_bytes"] > 0 for s in a)
+
+
+def test_partial_rollouts_run_within_the_bound(tmp_path):
+  """k = 2 with partial rollouts on split devices: every trained token within 2 versions, the
+  shares of tokens by staleness summing to 1."""
+  c = _small_config(**{
+      "num_steps": 4, "algorithm.max_staleness": 2, "algorithm.partial_rollouts": True,
+      "algorithm.rollout_is": "token_truncated", "rollout_devices": 4,
+      "checkpoint.save_every": 4})
+  train_and_evaluate(c, str(tmp_path))
+  m = _metrics(str(tmp_path))
+  for s, row in m.items():
+    assert row["staleness/max"] <= 2
+    assert sum(row[f"staleness/tokens_at_{k}"] for k in range(3)) == pytest.approx(1.0)

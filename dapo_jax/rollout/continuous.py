@@ -90,6 +90,7 @@ class _Group:
   budget: np.ndarray  # [G]
   tokens: list[list[int]]
   logprobs: list[list[float]]
+  versions: list[list[int]]
   done: int = 0
 
 
@@ -143,6 +144,7 @@ class ContinuousStream:
     self._entry_waiting = np.zeros((self._queue_size,), np.int64)  # samples not yet in a slot
     self._live = np.zeros((shards,), np.int64)
     self._page_blocked = False
+    self._version, self._versioned = 0, False  # `set_weights`
 
   def _put(self, x: np.ndarray):
     """A host value (the same on every process) as a replicated input of the programs."""
@@ -173,7 +175,7 @@ class ContinuousStream:
     seq = self._stats.prompts
     self._stats.prompts += 1
     self._groups[seq] = _Group(prompt_index, ids, budget, [[] for _ in range(self._g)],
-                               [[] for _ in range(self._g)])
+                               [[] for _ in range(self._g)], [[] for _ in range(self._g)])
     self._host.append((seq, budget))
 
   @property
@@ -274,6 +276,7 @@ class ContinuousStream:
       grp = self._groups[sq]
       grp.tokens[g].append(int(out.tokens_KxN[k, n]))
       grp.logprobs[g].append(float(out.logprobs_KxN[k, n]))
+      grp.versions[g].append(self._version)
       if out.done_KxN[k, n]:
         grp.done += 1
         if grp.done == self._g:
@@ -284,7 +287,7 @@ class ContinuousStream:
         grp = self._groups[sq]
         st.preemptions += 1
         st.preempted_tokens += len(grp.tokens[g])
-        grp.tokens[g], grp.logprobs[g] = [], []
+        grp.tokens[g], grp.logprobs[g], grp.versions[g] = [], [], []
         only = np.where(np.arange(self._g) == g, grp.budget, 0).astype(np.int32)
         self._host.appendleft((sq, only))
     return finished
@@ -305,13 +308,26 @@ class ContinuousStream:
     r, pad, eos = self._params.max_new_tokens, self._params.pad_id, set(self._params.eos_ids)
     ids = np.full((self._g, r), pad, np.int32)
     logprobs = np.zeros((self._g, r), np.float32)
+    versions = np.full((self._g, r), -1, np.int32)
     lengths = np.array([len(t) for t in grp.tokens], np.int32)
-    for g, (t, lp) in enumerate(zip(grp.tokens, grp.logprobs)):
-      ids[g, :len(t)], logprobs[g, :len(t)] = t, lp
+    for g, (t, lp, v) in enumerate(zip(grp.tokens, grp.logprobs, grp.versions)):
+      ids[g, :len(t)], logprobs[g, :len(t)], versions[g, :len(t)] = t, lp, v
     return FinishedGroup(prompt_index=grp.prompt_index, prompt_ids=grp.prompt_ids,
                          response_ids=ids, response_mask=np.arange(r)[None] < lengths[:, None],
                          logprobs=logprobs, lengths=lengths,
-                         truncated=np.array([not (t and t[-1] in eos) for t in grp.tokens]))
+                         truncated=np.array([not (t and t[-1] in eos) for t in grp.tokens]),
+                         versions=versions if self._versioned else None)
+
+  def set_weights(self, state: nnx.State | None, version: int) -> None:
+    """Decodes with ``state`` from the next chunk on (the same shapes, e.g. the next policy
+    version's rollout weights; None: the weights stay): a partial rollout. Samples in flight
+    keep their KV cache and continue; every token from then on is labelled ``version``
+    (`FinishedGroup.versions`), those before with the version set before (0 if none was)."""
+    if state is not None:
+      if self._s.mesh is not None:
+        state = jax.device_put(state, shd.state_shardings(state, self._s.mesh, shd.SAMPLE_RULES))
+      self._state = cast_params(state, nnx.merge(self._s.graphdef, state).config.jnp_param_dtype)
+    self._version, self._versioned = int(version), True
 
   def stats(self) -> dict[str, float]:
     return self._stats.to_dict()

@@ -44,6 +44,8 @@ class FinishedGroup:
       masked.
     lengths: [G] int32 response lengths (counting the stop token).
     truncated: [G] bool, no stop token within the budget.
+    versions: [G, R] int32, the policy version that sampled each token (-1 where masked), when
+      the stream's weights were swapped while it ran (`set_weights`); else None.
   """
   prompt_index: int
   prompt_ids: np.ndarray
@@ -52,6 +54,7 @@ class FinishedGroup:
   logprobs: np.ndarray
   lengths: np.ndarray
   truncated: np.ndarray
+  versions: np.ndarray | None = None
 
 
 class RolloutStream(Protocol):

@@ -128,6 +128,7 @@ class AlgorithmSpec:
   rollout_is_band: tuple[float, ...]
   max_staleness: int
   allow_uncorrected_staleness: bool
+  partial_rollouts: bool
 
 
 @dataclasses.dataclass(frozen=True)

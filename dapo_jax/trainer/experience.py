@@ -44,8 +44,9 @@ class Experience:
   times: dict[str, float]
 
 
-# (rollout weights, step, policy version) -> the step's batch.
-SampleFn = Callable[[Any, int, int], Any]
+# (rollout weights, step, policy version, newest) -> the step's batch. ``newest``: None, or (with
+# partial rollouts) a function giving (weights, version) of a newer published policy or None.
+SampleFn = Callable[[Any, int, int, Any], Any]
 
 
 class SyncExperience:
@@ -59,7 +60,7 @@ class SyncExperience:
 
   def next(self, step: int, params: Any) -> Experience:
     t0 = time.perf_counter()
-    batch = self._sample(self._to_rollout(params), step, step)
+    batch = self._sample(self._to_rollout(params), step, step, None)
     return Experience(step, step, batch, self._resume_state(),
                       {"rollout": time.perf_counter() - t0})
 
@@ -80,18 +81,25 @@ class _Stopped(Exception):
 
 class OverlappedExperience:
   """The rollout runs ahead of the update by up to ``max_staleness`` policy versions, in a
-  thread of its own (module docstring: the schedule)."""
+  thread of its own (module docstring: the schedule).
+
+  ``partial``: a batch starts with the version the schedule names, and its samples in flight
+  move on to each newer version as the trainer hands it over, keeping their KV (partial
+  rollouts; every token records its version). Fresher tokens, but which tokens get which
+  version depends on timing: such a run does not repeat bit for bit.
+  """
 
   def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
                resume_state: Callable[[], dict[str, Any]], *, max_staleness: int,
-               start_step: int, num_steps: int, save_every: int, params: Any):
+               start_step: int, num_steps: int, save_every: int, params: Any,
+               partial: bool = False):
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
     if jax.process_count() > 1:
       raise NotImplementedError(
           "algorithm.max_staleness >= 1 runs in one process for now: the rollout thread's "
           "cross-process gathers would interleave with the trainer's (docs/overlap.md).")
-    self.max_staleness = max_staleness
+    self.max_staleness, self.partial = max_staleness, partial
     self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
     self._cond = threading.Condition()
@@ -170,7 +178,7 @@ class OverlappedExperience:
         jax.block_until_ready(weights)  # the move, if still under way
         t2 = time.perf_counter()
         with self._engine:
-          batch = self._sample(weights, step, v)
+          batch = self._sample(weights, step, v, self._newer(v) if self.partial else None)
           resume = self._resume_state()
         t3 = time.perf_counter()
         out: Experience | BaseException = Experience(
@@ -191,17 +199,32 @@ class OverlappedExperience:
         return
 
 
+  def _newer(self, version: int) -> Callable[[], tuple[Any, int] | None]:
+    """For a batch started with ``version``: a function giving the newest handed-over weights
+    once, when newer than those it gave last (None otherwise)."""
+    current = [version]
+
+    def newest() -> tuple[Any, int] | None:
+      with self._cond:
+        latest = max(self._weights, default=current[0])
+        if latest <= current[0]:
+          return None
+        current[0] = latest
+        return self._weights[latest][0], latest
+    return newest
+
+
 def _nbytes(tree: Any) -> int:
   return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
 def open_source(max_staleness: int, sample: SampleFn, to_rollout: Callable[[Any], Any],
                 resume_state: Callable[[], dict[str, Any]], *, start_step: int, num_steps: int,
-                save_every: int, params: Any):
+                save_every: int, params: Any, partial: bool = False):
   """The run's experience source: `SyncExperience` at ``max_staleness`` 0, else
   `OverlappedExperience`."""
   if not max_staleness:
     return SyncExperience(sample, to_rollout, resume_state)
   return OverlappedExperience(sample, to_rollout, resume_state, max_staleness=max_staleness,
                               start_step=start_step, num_steps=num_steps,
-                              save_every=save_every, params=params)
+                              save_every=save_every, params=params, partial=partial)

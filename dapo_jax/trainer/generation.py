@@ -162,6 +162,14 @@ class ScoringStream:
     self.log = diagnostics.GenerationLog()  # every poll's groups and wall time
     self._records: dict[int, MathRecord] = {}
     self._next = 0  # ``generate`` continues after the last index admitted
+    self._newest = None  # `follow`
+
+  def follow(self, newest, version: int) -> None:
+    """Partial rollouts: the stream's weights are policy ``version``; before each poll,
+    ``newest()`` gives (weights, version) of a newer policy (or None), with which the samples
+    in flight continue (the rollout stream's ``set_weights``)."""
+    self._stream.set_weights(None, version)
+    self._newest = newest
 
   def admit(self, record: MathRecord, index: int) -> None:
     self._stream.admit(render_prompt(record, self._gen.tokenizer, self._gen.max_prompt_length),
@@ -179,6 +187,9 @@ class ScoringStream:
 
   def poll(self) -> list[tuple[int, ScoredGroup]]:
     start = time.perf_counter()
+    newer = self._newest() if self._newest is not None else None
+    if newer is not None:
+      self._stream.set_weights(*newer)
     finished = self._stream.poll()
     if not finished:
       return []
@@ -188,6 +199,8 @@ class ScoringStream:
                                        gen.tokenizer.pad_id, length=gen.max_prompt_length)
     out = {k: np.concatenate([getattr(f, k) for f in finished]) for k in _ROLLOUT_FIELDS}
     groups = score_rollout(gen, records, prompt_ids, prompt_mask, out).groups()
+    for f, g in zip(finished, groups):
+      g.token_versions = getattr(f, "versions", None)
     self.log.record(time.perf_counter() - start, groups)
     return [(f.prompt_index, g) for f, g in zip(finished, groups)]
 

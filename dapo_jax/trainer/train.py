@@ -12,6 +12,7 @@ One piece: `train_and_evaluate` and the per-step helpers it calls, in the order 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -147,9 +148,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # Experience: sampled when asked (max_staleness 0), or by a rollout running ahead.
     staleness = spec.algorithm.max_staleness
     source = exp_lib.open_source(
-        staleness, lambda weights, step, version: _sample(spec, run, weights, step, version),
-        run.to_rollout, lambda: _resume_state(run), start_step=start_step,
-        num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params)
+        staleness, functools.partial(_sample, spec, run), run.to_rollout,
+        lambda: _resume_state(run), start_step=start_step, num_steps=spec.num_steps,
+        save_every=spec.checkpoint.save_every, params=state.params,
+        partial=spec.algorithm.partial_rollouts)
     teardown.callback(source.close)
     consecutive_skips = 0
     for step in range(start_step, spec.num_steps):
@@ -251,7 +253,7 @@ def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
   return state, before
 
 
-def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int
+def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int, newest=None
             ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
   """Dynamic sampling (spec 5) of step ``step``'s batch with rollout ``weights`` (policy
   ``version``); the step's sampling diagnostics (`diagnostics.sampling_metrics`).
@@ -261,11 +263,14 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int
   groups as they finish. A kill mid-rollout resumes from the last checkpoint (a step
   boundary, where nothing is in flight) and redraws the step with the same keys. Under
   ``algorithm.max_staleness`` k >= 1, carried groups that would train more than k versions
-  after their policy are dropped first (counted).
+  after their policy are dropped first (counted). ``newest`` (partial rollouts,
+  `experience.OverlappedExperience`): newer weights the samples in flight continue with.
   """
   loop = spec.algorithm.sampling_loop
   dropped = _drop_stale_carried(run, step, spec.algorithm.max_staleness)
   stream = run.generator.stream(weights, rollout_key(spec.seed, step))
+  if newest is not None:
+    stream.follow(newest, version)
   batches = pipeline.global_batches(run.iterator)
   try:
     if loop == "batch":

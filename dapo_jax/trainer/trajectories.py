@@ -23,7 +23,8 @@ from dapo_jax.trainer.train_step import TrainBatch
 # The arrays of a ScoredGroup and their dtypes (a checkpoint's JSON meta stores them as lists).
 _ARRAY_DTYPES = {"prompt_ids": np.int32, "prompt_mask": bool, "response_ids": np.int32,
                  "response_mask": bool, "logprobs": np.float32, "lengths": np.int32,
-                 "truncated": bool, "score": np.float32, "penalty": np.float32}
+                 "truncated": bool, "score": np.float32, "penalty": np.float32,
+                 "token_versions": np.int32}
 
 
 @dataclasses.dataclass
@@ -54,6 +55,9 @@ class ScoredGroup(Group):
   # checkpoint older than the field, read as ``sampled_at_step``). Equal to ``sampled_at_step``
   # in a synchronous run; up to algorithm.max_staleness lower in an overlapped one.
   policy_version: int = -1
+  # [G, R] int32: each token's policy version when the weights changed while the group was
+  # decoded (algorithm.partial_rollouts; -1 where masked); None: all ``policy_version``'s.
+  token_versions: np.ndarray | None = None
 
   def to_json(self) -> dict[str, Any]:
     """JSON values, in the layout of the checkpoints' ``sampler.carried`` entries."""
@@ -67,8 +71,8 @@ class ScoredGroup(Group):
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> ScoredGroup:
     """The inverse of ``to_json``."""
-    payload = {k: (np.asarray(v, _ARRAY_DTYPES[k]) if k in _ARRAY_DTYPES else v)
-               for k, v in d["payload"].items()}
+    payload = {k: (np.asarray(v, _ARRAY_DTYPES[k]) if k in _ARRAY_DTYPES and v is not None
+                   else v) for k, v in d["payload"].items()}
     return cls(prompt=MathRecord(**d["prompt"]), acc=np.asarray(d["acc"], bool),
                reward=np.asarray(d["reward"], np.float32), **payload)
 
@@ -91,6 +95,7 @@ class Trajectories:
   prompts: list[str]
   sampled_at_step: np.ndarray | None = None  # [N] int32, the group's `sampled_at_step`
   policy_version: np.ndarray | None = None  # [N] int32, the group's `policy_version`
+  token_version: np.ndarray | None = None  # [N, R] int32, each token's (`token_versions`)
   verifier_errors: int = 0  # summed over the groups
   verifier_timeouts: int = 0
 
@@ -120,6 +125,9 @@ class Trajectories:
             [np.full(g.size, g.sampled_at_step, np.int32) for g in groups]),
         policy_version=np.concatenate(
             [np.full(g.size, policy_version(g), np.int32) for g in groups]),
+        token_version=np.concatenate(
+            [np.full(g.response_ids.shape, policy_version(g), np.int32)
+             if g.token_versions is None else g.token_versions for g in groups]),
         texts=[t for g in groups for t in g.texts], prompts=[g.prompt.prompt for g in groups],
         verifier_errors=sum(g.num_errors for g in groups),
         verifier_timeouts=sum(g.num_timeouts for g in groups))
@@ -141,6 +149,9 @@ def stamp_sampled_at(groups: Sequence[ScoredGroup], step: int, version: int | No
     if g.sampled_at_step < 0:
       g.sampled_at_step = step
       g.policy_version = step if version is None else version
+      if g.token_versions is not None:  # partial rollouts: the oldest of its tokens
+        live = g.token_versions[g.response_mask]
+        g.policy_version = int(live.min()) if live.size else g.policy_version
 
 
 def policy_version(g: ScoredGroup) -> int:
@@ -152,13 +163,15 @@ def policy_version(g: ScoredGroup) -> int:
 def staleness_metrics(traj: Trajectories, step: int, max_staleness: int) -> dict[str, float]:
   """How many policy versions the trained tokens lag the update at ``step``: the mean, the
   maximum and the share of response tokens at each lag 0..``max_staleness``."""
-  lag_N = step - traj.policy_version
-  tokens_N = traj.response_mask.sum(axis=1).astype(np.float64)
-  total = max(float(tokens_N.sum()), 1.0)
-  out = {"staleness/mean": float((lag_N * tokens_N).sum() / total),
-         "staleness/max": float(lag_N.max())}
+  mask_NxR = traj.response_mask.astype(bool)
+  versions = (traj.token_version if traj.token_version is not None
+              else np.broadcast_to(traj.policy_version[:, None], mask_NxR.shape))
+  lag = (step - versions)[mask_NxR]
+  total = max(lag.size, 1)
+  out = {"staleness/mean": float(lag.sum() / total),
+         "staleness/max": float(lag.max(initial=0))}
   for k in range(max_staleness + 1):
-    out[f"staleness/tokens_at_{k}"] = float(tokens_N[lag_N == k].sum() / total)
+    out[f"staleness/tokens_at_{k}"] = float((lag == k).sum() / total)
   return out
 
 
