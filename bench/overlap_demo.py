@@ -12,6 +12,7 @@ Layouts (each a dapo-train run of the demo; --config.x=y after `--` go to every 
   sync_split    rollout on device 1, training on device 0, in turns (max_staleness 0)
   async1        the same split, one step off (max_staleness 1, token-TIS behaviour weights)
   async2        the same split, up to two versions behind (max_staleness 2)
+  async2_partial  async2 with partial rollouts (samples in flight move on to newer weights)
   async1_coloc  one device, one step off (both phases on it, from two threads)
   async4        split, max_staleness 4 (stress)
   async4_uncorrected  split, max_staleness 4 without the behaviour correction (explicit flag)
@@ -43,6 +44,8 @@ LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
     "sync_split": (2, SPLIT),
     "async1": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=1"]),
     "async2": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=2"]),
+    "async2_partial": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=2",
+                                               "--config.algorithm.partial_rollouts=True"]),
     "async1_coloc": (1, CORRECTED + ["--config.algorithm.max_staleness=1"]),
     "async4": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=4"]),
     "async4_uncorrected": (2, SPLIT + ["--config.algorithm.max_staleness=4",
