@@ -328,6 +328,18 @@ def test_gpu_kernel_in_interpret_mode_matches_reference():
   np.testing.assert_allclose(np.asarray(out), dense, atol=1e-5, rtol=1e-5)
 
 
+def test_gpu_kernel_reads_a_stacked_pool_in_place():
+  """pallas_gpu on layer l of a stacked [L, K, P, T, E] pool (the pool read as L x K x P pages,
+  each (slot, KV head) a row of the kernel's batch) equals the kernel on that layer's slice."""
+  q, c, dense = _paged_problem(2, 3, 4, 2, 16, 4, 8, [1, 13, 32])
+  noise = lambda x, s: x + s * jnp.ones_like(x)  # other layers differ from layer 1
+  k_L, v_L = (jnp.stack([noise(x, 3.0), x, noise(x, -2.0)]) for x in (c.k[0], c.v[0]))
+  with attention.interpret_pallas():
+    out = jax.jit(functools.partial(pa.paged_decode_attention, impl="pallas_gpu"))(
+        q, k_L, v_L, c.table, c.length, layer=jnp.int32(1))
+  np.testing.assert_allclose(np.asarray(out), dense, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'jax[tpu]')")
 def test_ragged_kernel_compiles_for_tpu():
@@ -347,11 +359,11 @@ def test_ragged_kernel_compiles_for_tpu():
   assert lowered.out_info.shape == (n, h, e)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_paged_decode_step_equals_dense_decode_step(scan):
+@pytest.mark.parametrize("scan,impl", [(False, "xla"), (True, "xla"), (True, "pallas_gpu")])
+def test_paged_decode_step_equals_dense_decode_step(scan, impl):
   """Two prompts (5 and 3 tokens, pages of 4) shared by 2 samples each: the paged decode
   step (copy-on-write of the last prompt page, new pages on the way) gives the dense step's
-  logits for the same fed tokens."""
+  logits for the same fed tokens. pallas_gpu (interpreted) reads the stacked pool in place."""
   from dapo_jax.models import create_model, get_preset  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import slots as sl  # pylint: disable=g-import-not-at-top
   model = create_model(get_preset("test", num_hidden_layers=2, scan_layers=scan), seed=3)
@@ -381,13 +393,14 @@ def test_paged_decode_step_equals_dense_decode_step(scan):
       pos = jnp.asarray(lens[rows]) + s
       ld, dense = model.decode_step(tokens, pos, dense)
       lp, paged, app = model.decode_step_paged(tokens, pos, paged, jnp.ones((2 * g,), bool),
-                                               impl="xla")
+                                               impl=impl)
       return (dense, paged), (ld, lp, app.ok)
 
     (_, paged), out = jax.lax.scan(step, (dense, paged), (jnp.arange(steps), feed))
     return out, paged
 
-  out, paged = run(jnp.asarray(prompts), jnp.asarray(feed))
+  with attention.interpret_pallas():
+    out, paged = run(jnp.asarray(prompts), jnp.asarray(feed))
   ld, lp, ok = (np.asarray(x) for x in out)
   assert ok.all()
   np.testing.assert_allclose(lp, ld, atol=1e-5, rtol=1e-5)

@@ -27,7 +27,9 @@ scores scaled by E**-0.5, softmax in fp32, head h = kv_head * G + g (as `decode_
   scanned model's stacked pool in place (its L x P pages as one pool, the layer as a page
   offset: `Attention.decode_paged`); "pallas_tpu" takes one layer's [K, P, T, E], which under
   scanned layers is a slice XLA copies for the call, one layer's pool per layer and step (the
-  whole pool per decode step). On TPU with a head_dim that is not a multiple of 128
+  whole pool per decode step). "pallas_gpu" reads the stacked split pool in place too
+  (`gpu_stacked_paged_attention`: its L x K x P pages as one pool, each (slot, KV head) a row of
+  the kernel's batch). On TPU with a head_dim that is not a multiple of 128
   (Qwen2.5-0.5B's 64), xla: Mosaic tiles the TPU kernels' last dimension in lanes of 128 and
   refuses the block ("divisible by 8 and 128"). Asking for a TPU kernel with such a head_dim is
   an error naming the setting.
@@ -214,6 +216,28 @@ def gpu_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N, *,
                                 interpret=interpret)
 
 
+def gpu_stacked_paged_attention(q_NxHxE, k_LxKxPxTxE, v_LxKxPxTxE, table_NxM, length_N,
+                                layer, *, interpret: bool | None = None):
+  """`gpu_paged_attention` on layer ``layer`` of a stacked [L, K, P, T, E] pool, read in place.
+
+  A layer's [K, P, T, E] slice of the stacked pool is an operand XLA copies for the kernel call
+  (one layer's K and V per layer and decode step under scanned layers: the whole pool per step).
+  Instead the pool is read as one pool of L x K x P pages (a reshape of its major axes, a
+  bitcast), each (slot, KV head) pair as a row of the kernel's batch with that head's G query
+  heads, and its pages at (layer x K + k) x P + page. The kernel indexes with 64 bits once an
+  operand passes 4 GiB (Pallas' Triton lowering), so the stacked pool's size is no limit."""
+  n, h, e = q_NxHxE.shape
+  num_layers, kh, p, t, _ = k_LxKxPxTxE.shape
+  m = table_NxM.shape[1]
+  flat = lambda pool: pool.reshape(1, num_layers * kh * p, t, e)
+  offset_K = (layer * kh + jnp.arange(kh, dtype=jnp.int32)) * p
+  table_RxM = (jnp.maximum(table_NxM, 0)[:, None, :] + offset_K[None, :, None]).reshape(n * kh, m)
+  out = gpu_paged_attention(q_NxHxE.reshape(n * kh, h // kh, e), flat(k_LxKxPxTxE),
+                            flat(v_LxKxPxTxE), table_RxM, jnp.repeat(length_N, kh),
+                            interpret=interpret)
+  return out.reshape(n, h, e)
+
+
 def combine_kv(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array) -> jax.Array:
   """The ragged kernel's layout: [P, T, 2K, E], K and V of kv head k at 2k and 2k + 1."""
   kh, p, t, e = k_KxPxTxE.shape
@@ -242,10 +266,17 @@ def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: 
 
 def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array,
                            table_NxM: jax.Array, length_N: jax.Array, *,
-                           impl: str = "auto") -> jax.Array:
+                           impl: str = "auto", layer: jax.Array | None = None) -> jax.Array:
   """Decode attention over live pages with `impl` (module docstring); output like q.
-  ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla")."""
+  ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla").
+  ``layer``: k and v are stacked split [L, K, P, T, E] pools and this layer is read ("pallas_gpu"
+  in place, `gpu_stacked_paged_attention`; the others from the layer's slice)."""
   impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1])
+  if layer is not None:
+    if impl == "pallas_gpu":
+      return gpu_stacked_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N,
+                                         layer).astype(q_NxHxE.dtype)
+    k_KxPxTxE, v_KxPxTxE = k_KxPxTxE[layer], v_KxPxTxE[layer]
   if (v_KxPxTxE is None) != (impl == "ragged_tpu") and impl != "xla":
     raise ValueError(f"paged attention impl={impl!r} takes "
                      f"{'a combined' if impl == 'ragged_tpu' else 'split K and V'} pool; the "
@@ -258,38 +289,46 @@ def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: 
 
 
 def attend_shards(q_SxNxHxE: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None,
-                  table_SxNxM: jax.Array, length_SxN: jax.Array, *, impl: str = "auto"
-                  ) -> jax.Array:
-  """`paged_decode_attention` on each of S shards' pools (leading axis S on every argument).
+                  table_SxNxM: jax.Array, length_SxN: jax.Array, *, impl: str = "auto",
+                  layer: jax.Array | None = None) -> jax.Array:
+  """`paged_decode_attention` on each of S shards' pools (leading axis S on every argument;
+  with ``layer``, stacked split pools [S, L, K, P, T, E]).
 
   The reference is vmapped over S and left to XLA's partitioner. A kernel (a custom call XLA
   cannot partition: it would gather every operand, the whole pool included) runs under the
   active activation mesh in a `shard_map`: shards over the batch axes, KV heads (and their
-  query heads) over `tensor` when both divide."""
+  query heads) over `tensor` when both divide; a stacked pool goes in whole, so that each
+  device reads its own [L, K/tensor, P, T, E] in place."""
   impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1])
-  attend = lambda *a: paged_decode_attention(*a, impl=impl)
+  stacked = layer is not None
+  attend = lambda q, k, v, table, length: paged_decode_attention(q, k, v, table, length,
+                                                                 impl=impl, layer=layer)
   ctx = shd._ACTIVATION_CTX.get()  # pylint: disable=protected-access
   if impl == "xla" or ctx is None or ctx.mesh.size == 1:
     return jax.vmap(attend)(q_SxNxHxE, k_pool, v_pool, table_SxNxM, length_SxN)
   s, _, h, _ = q_SxNxHxE.shape
-  kh = k_pool.shape[-2] // 2 if v_pool is None else k_pool.shape[1]
+  kh = k_pool.shape[-2] // 2 if v_pool is None else k_pool.shape[1 + stacked]
   spec = lambda names, shape: shd.logical_to_spec(names, ctx.rules, shape, ctx.mesh)[0]
   batch, heads = spec(("batch",), (s,)), spec(("act_heads",), (h,))
   if heads != spec(("act_heads",), (kh,)):
     heads = None  # heads split only where whole query groups stay with their KV head
   q_spec = PartitionSpec(batch, None, heads, None)
   pool_spec = (PartitionSpec(batch, None, None, heads, None) if v_pool is None
-               else PartitionSpec(batch, heads, None, None, None))
+               else PartitionSpec(batch, *((None,) * stacked), heads, None, None, None))
 
-  def local(q, table, length, k, v=None):  # one device's shards (one, on the engine's mesh)
+  def local(q, table, length, at, k, v=None):  # one device's shards (one, on the engine's mesh)
+    one = lambda q, k, v, table, length: paged_decode_attention(
+        q, k, v, table, length, impl=impl, layer=at if stacked else None)
     if q.shape[0] == 1:
       first = lambda x: None if x is None else x[0]
-      return attend(*map(first, (q, k, v, table, length)))[None]
-    return jax.vmap(attend)(q, k, v, table, length)
+      return one(*map(first, (q, k, v, table, length)))[None]
+    return jax.vmap(one)(q, k, v, table, length)
 
   pools = (k_pool,) if v_pool is None else (k_pool, v_pool)
+  at = jnp.asarray(0 if layer is None else layer, jnp.int32)  # replicated
   return jax.shard_map(local, mesh=ctx.mesh,
                        in_specs=(q_spec, PartitionSpec(batch, None, None),
-                                 PartitionSpec(batch, None)) + (pool_spec,) * len(pools),
+                                 PartitionSpec(batch, None), PartitionSpec())
+                       + (pool_spec,) * len(pools),
                        out_specs=q_spec, check_vma=False)(
-                           q_SxNxHxE, table_SxNxM, length_SxN, *pools)
+                           q_SxNxHxE, table_SxNxM, length_SxN, at, *pools)

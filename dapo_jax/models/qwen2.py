@@ -174,7 +174,7 @@ class Attention(nnx.Module):
     k_pool, v_pool = write(k_pool, v_pool, split(kn_Nx1xKxE[:, 0]), split(vn_Nx1xKxE[:, 0]),
                            jax.tree.map(split, app))
     # v_pool None: a combined K/V pool (`PagedKVCache.combined`), k_pool holds both.
-    table = cache.table
+    table, kernel_layer = cache.table, None
     if layer is not None and v_pool is None:
       # The stacked combined pool [(S,) L, P, T, 2K, E] read as one pool of L x P pages (a
       # reshape of adjacent major axes: no copy) with the layer's pages at l x P + page: a
@@ -183,12 +183,18 @@ class Attention(nnx.Module):
       num_pages = k_pool.shape[-4]
       k_l, v_l = k_pool.reshape(lead + (-1,) + k_pool.shape[-3:]), None
       table = jnp.maximum(table, 0) + layer * num_pages
+    elif layer is not None and paged_attention.resolve_paged_impl(
+        impl, head_dim=q_Nx1xHxE.shape[-1]) == "pallas_gpu":
+      # The stacked split pool goes to the kernel whole, read in place at the layer's pages
+      # (`paged_attention.gpu_stacked_paged_attention`): a layer's slice would be copied.
+      k_l, v_l, kernel_layer = k_pool, v_pool, layer
     else:
       at = lambda pool: pool if layer is None or pool is None else (
           pool[layer] if s is None else pool[:, layer])
       k_l, v_l = at(k_pool), at(v_pool)
     attend = functools.partial(paged_attention.paged_decode_attention if s is None
-                               else paged_attention.attend_shards, impl=impl)
+                               else paged_attention.attend_shards, impl=impl,
+                               layer=kernel_layer)
     o_NxHxE = attend(split(q_Nx1xHxE[:, 0]), k_l, v_l, table,
                      cache.length + split(app.ok)).reshape(n, -1, q_Nx1xHxE.shape[-1])
     return self.o_proj(o_NxHxE[:, None], x_Nx1xD.dtype), (k_pool, v_pool)

@@ -8,12 +8,13 @@ r"""``dapo-plan``: will a config fit a slice? Per-device memory and FLOPs before
 
 Overrides are dapo-train's ``--config.x=y`` (``--set x=y`` is a deprecated alias of it).
 
-TPU and CPU targets compile the real train step, rollout program and train->rollout reshard
-ahead of time (TPU through libtpu on compile-only devices, so a CPU-only host suffices) and read
-XLA's memory and cost analyses. GPU targets get an analytic estimate, labelled as such.
+TPU, GPU and CPU targets compile the real train step, rollout program and train->rollout
+reshard ahead of time (TPU through libtpu, GPU through the CUDA plugin, both on compile-only
+devices, so a CPU-only host suffices) and read XLA's memory and cost analyses. Without the CUDA
+plugin a GPU target gets an analytic estimate, labelled as such, with how to get the compiled one.
 
-Where the chip's datasheet peaks are known (TPU targets; `plan_estimates.CHIPS`), the plan also
-compiles the old-log-prob forward, the static sampler's prefill and decode step and the
+Where the chip's datasheet peaks are known (TPU and GPU targets; `plan_estimates.CHIPS`), the
+plan also compiles the old-log-prob forward, the static sampler's prefill and decode step and the
 continuous engine's programs, and prints a roofline ESTIMATE of one RL step by phase: each
 program's FLOPs and HBM bytes (XLA's cost analysis, which counts a loop body once, so the runs
 are multiplied out explicitly) at peak compute or bandwidth, whichever binds; and the update's
@@ -37,6 +38,7 @@ from jax.sharding import Mesh
 from dapo_jax.infra import libtpu_flags
 from dapo_jax.infra import sharding as shd
 from dapo_jax.models import Qwen2Config, attention
+from dapo_jax.planner import gpu_targets
 from dapo_jax.planner import plan_estimates as est
 from dapo_jax.planner import plan_paged
 from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout,
@@ -129,11 +131,16 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
       "flops_analytic": est.step_flops(spec, mcfg)}
   plan["warnings"] = est.layout_warnings(spec, mcfg, target.num_devices)
   if target.analytic:
-    plan["method"] = "analytic estimate (no compiler for this target on this host)"
+    plan["method"] = ("analytic estimate (no compiler for this target on this host"
+                      + (f": {target.why_analytic})" if target.why_analytic else ")"))
     plan.update(est.analytic_memory(spec, mcfg, target.num_devices,
                                     spec.train_config().master_dtype))
   else:
     plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
+    if target.kind == "gpu":  # what the compiles assumed, for the launchers to match
+      plan["gpu_flags"] = {"XLA_FLAGS": " ".join(gpu_targets.XLA_GPU_FLAGS), **gpu_targets.GPU_ENV,
+                           "NCCL": "library defaults (no NCCL_* set; no communication time "
+                                   "counted)"}
     devices = list(target.devices)
     train_mesh = shd.make_mesh([tuple(a) for a in spec.mesh], devices=devices)
     rollout_mesh = shd.make_mesh([tuple(a) for a in (spec.rollout_mesh or spec.mesh)],
@@ -233,6 +240,7 @@ def configure(fv: flags.FlagValues) -> RunSpec:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fv = _parse(sys.argv[1:] if argv is None else argv)
   prepare_libtpu_env(fv.target)  # before parse_target loads the backends (and libtpu)
+  gpu_targets.prepare_cuda_env(fv.target)  # ... and the CUDA plugin
   spec = configure(fv)
   # The trainer's compiler options (dapo-train applies the same).
   libtpu_flags.apply(spec.tpu_windowed_einsum)

@@ -366,9 +366,18 @@ def compile_continuous_rollout(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp:
   if compiled is not None:
     mem = _mem(compiled)
     parts["other_temp"], parts["outputs"] = mem["temp"], max(mem["output"] - mem["alias"], 0)
-    if paged is not None:  # Pallas kernels (TPU custom calls) in the chunk, a scan's body once
-      info["kernel_calls"] = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    if paged is not None:  # Pallas kernels (TPU or Triton custom calls), a scan's body once
+      info["kernel_calls"] = kernel_calls(compiled.as_text())
   return _summary(compiled, oom, seconds, parts, "other_temp") | info
+
+
+# The custom-call targets of a Pallas kernel: Mosaic on TPU, Triton on GPU.
+PALLAS_CALL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
+def kernel_calls(hlo_text: str) -> int:
+  """Pallas kernel calls in a compiled program's HLO text."""
+  return sum(hlo_text.count(f'custom_call_target="{t}"') for t in PALLAS_CALL_TARGETS)
 
 
 def attention_impl_on_target(impl: str, head_dim: int | None = None) -> str:

@@ -24,6 +24,10 @@ def format_plan(plan: dict[str, Any]) -> str:
            f"{plan['prompts_per_call']}"
            + (f"  attention {plan['attention']}" if "attention" in plan else ""),
            "  per device:"]
+  if "gpu_flags" in plan:  # what the GPU compiles assumed; the launchers set the same
+    fl = plan["gpu_flags"]
+    lines.insert(2, "  assumes " + "; ".join(f"{k}={v}" if k != "NCCL" else f"NCCL: {v}"
+                                             for k, v in fl.items()))
   t, r = plan["train"], plan["rollout"]
   how = lambda part: ("peak (compiled)" if "memory" in part else
                       "peak (compiler OOM)" if "oom" in part else "peak (estimate)")

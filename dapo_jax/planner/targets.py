@@ -1,5 +1,6 @@
 """Where a plan is for: ``tpu:v5p:4x4x4``, ``gpu:h100:16x8`` or ``cpu:8``, with the compile-only
-TPU devices libtpu describes on any host and the environment it needs there."""
+TPU devices libtpu describes on any host and the environment it needs there (GPU devices:
+`gpu_targets`, the CUDA plugin's)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 
 import jax
 
+from dapo_jax.planner import gpu_targets
 from dapo_jax.planner import plan_estimates as est
 
 GiB = 1024**3
@@ -23,6 +25,7 @@ class Target:
   num_devices: int
   hbm_bytes: int | None  # None: unknown (CPU)
   devices: tuple | None  # compile-capable devices; None: analytic only
+  why_analytic: str | None = None  # what the compiled plan needs here (analytic targets)
 
   @property
   def analytic(self) -> bool:
@@ -45,12 +48,24 @@ def parse_target(spec: str) -> Target:
     return Target("tpu", rest, len(devices), int(est.TPU_HBM_GIB[gen] * GiB), tuple(devices))
   if kind == "gpu":
     gen, _, shape = rest.partition(":")
-    if gen.lower() not in est.GPU_HBM_GB or not shape:
+    gen = gen.lower()
+    if gen not in est.GPU_HBM_GB or not shape:
       raise ValueError(f"Use gpu:<{'|'.join(est.GPU_HBM_GB)}>:<nodes>x<gpus per node>, got "
                        f"{spec!r}.")
-    n = math.prod(int(s) for s in shape.split("x"))
-    usable = est.GPU_HBM_GB[gen.lower()] * 1e9 * est.GPU_MEM_FRACTION
-    return Target("gpu", rest, n, int(usable), None)
+    dims = [int(s) for s in shape.split("x")]
+    n = math.prod(dims)
+    why = gpu_targets.cuda_plugin_missing()
+    if why is None and gen not in gpu_targets.GPUS:
+      why = (f"no device description for {gen!r} (compiled GPU targets: "
+             f"{', '.join(gpu_targets.GPUS)})")
+    if why is None and len(dims) != 2:
+      why = f"write the shape as <nodes>x<gpus per node>, got {shape!r}"
+    if why is not None:
+      usable = est.GPU_HBM_GB[gen] * 1e9 * est.GPU_MEM_FRACTION
+      return Target("gpu", rest, n, int(usable), None, why)
+    # The share of each GPU's memory XLA's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION).
+    usable = gpu_targets.GPUS[gen].memory_bytes * est.GPU_MEM_FRACTION
+    return Target("gpu", rest, n, int(usable), tuple(gpu_targets.cuda_devices(gen, *dims)))
   if kind == "cpu":
     n = int(rest or jax.device_count("cpu"))
     cpus = jax.devices("cpu")
