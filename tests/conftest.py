@@ -12,7 +12,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402  (after the environment above)
+
+_CUDA_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+@pytest.fixture(autouse=True)
+def _analytic_gpu_targets(request, monkeypatch):
+  """With the CUDA plugin installed, dapo-plan compiles GPU targets; the tests written for the
+  analytic GPU rows keep them, and only tests marked ``gpu_compile`` compile."""
+  if _CUDA_PLUGIN and "gpu_compile" not in request.keywords:
+    from dapo_jax.planner import gpu_targets  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(gpu_targets, "cuda_plugin_missing", lambda: "analytic in this test")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,11 @@ from dapo_jax.planner import targets as plan_targets
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 NO_PLUGIN = gpu_targets.cuda_plugin_missing()
-needs_plugin = pytest.mark.skipif(NO_PLUGIN is not None, reason=str(NO_PLUGIN))
+
+def needs_plugin(test):
+  """Compiled by the CUDA plugin: skipped without it (`gpu_compile`: see tests/conftest.py)."""
+  return pytest.mark.gpu_compile(
+      pytest.mark.skipif(NO_PLUGIN is not None, reason=str(NO_PLUGIN))(test))
 
 
 def test_without_the_plugin_gpu_targets_are_analytic_and_say_how_to_compile(monkeypatch, capsys):
