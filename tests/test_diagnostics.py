@@ -1,10 +1,13 @@
 """dapo_jax.trainer.diagnostics: every number checked against a case worked out by hand."""
 
+import json
+import math
 import types
 
 import numpy as np
 import pytest
 
+from dapo_jax.infra import metrics
 from dapo_jax.trainer import diagnostics as D
 
 
@@ -112,3 +115,36 @@ def test_sampling_metrics_through_the_generation_log():
   assert out["diag/accepted/p100"] == 0 and out["diag/accepted/p25-50"] == 1
   total = sum(out[f"time/decode_by_length/{q}"] for q in D.LENGTH_BUCKETS)
   assert total == pytest.approx(sum(c[0] for c in log.calls))
+
+
+def test_an_empty_bucket_writes_no_nan_or_null(tmp_path):
+  """A step that generated no group (it trains only carried-over ones) and a step that trained
+  none: the empty side has no distinct-answers figure, so metrics.jsonl gets no null and
+  TensorBoard no point for it."""
+  carried = [_group([1, 2], [True, False], [2, 3])]
+  generated = D.GenerationLog()
+  generated.record(1.0, [_group([3, 3], [True, True], [1, 1])])
+  steps = {1: D.sampling_metrics(D.GenerationLog(), carried, max_response_length=4,
+                                 rows_per_decode=0),
+           2: D.sampling_metrics(generated, [], max_response_length=4, rows_per_decode=0)}
+  assert "diag/distinct_answers_generated" not in steps[1]
+  assert steps[1]["diag/distinct_answers_trained"] == 2.0
+  assert "diag/distinct_answers_trained" not in steps[2]
+  assert steps[2]["diag/distinct_answers_generated"] == 1.0
+  writer = metrics.MetricsWriter(str(tmp_path), active=True)
+  tb_points = []
+  add_scalar = writer._tb.add_scalar  # pylint: disable=protected-access
+  def record(tag, value, step):
+    tb_points.append((tag, value))
+    add_scalar(tag, value, step)
+  writer._tb.add_scalar = record  # pylint: disable=protected-access
+  for step, scalars in steps.items():
+    writer.write_scalars(step, scalars)
+  writer.close()
+  rows = [json.loads(line) for line in (tmp_path / metrics.METRICS_FILE).read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2]
+  for row in rows:
+    assert all(v is not None and math.isfinite(v) for v in row.values()), row
+  assert tb_points and all(math.isfinite(v) for _, v in tb_points)
+  assert {t for t, _ in tb_points if t.startswith("diag/distinct")} == {
+      "diag/distinct_answers_trained", "diag/distinct_answers_generated"}

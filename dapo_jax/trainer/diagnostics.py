@@ -205,8 +205,11 @@ def sampling_metrics(log: GenerationLog, trained_groups: Sequence[Any], *,
   trained_ids = {id(g) for g in trained_groups}
   out = {}
   for label, groups in (("generated", log.groups), ("trained", trained_groups)):
-    counts = [distinct_answers(g.texts, len(g.texts))[0] for g in groups]
-    out[f"diag/distinct_answers_{label}"] = float(np.mean(counts)) if counts else float("nan")
+    # No groups (a step that trains only carried-over groups, or trains none): no figure, as in
+    # `pass_rate_metrics`; a NaN would reach metrics.jsonl as a null.
+    if groups:
+      out[f"diag/distinct_answers_{label}"] = float(np.mean(
+          [distinct_answers(g.texts, len(g.texts))[0] for g in groups]))
   out.update(pass_rate_metrics(
       np.array([np.mean(g.acc) for g in log.groups]),
       np.array([np.mean(g.acc) for g in trained_groups]),
