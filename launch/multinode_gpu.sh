@@ -19,15 +19,20 @@ Starts dapo-train on this host as process R of N; run it on every host, each wit
   --workdir DIR            the run directory, shared by every host (a shared file system or gs://)
   --dry-run                check the config locally (it loads with the overrides and passes the
                            config's checks), then print the command instead of running it
+  --gpu MODEL              h100, h200 or a100 (default: nvidia-smi's): before training, the
+                           compiled plan for N nodes of --gpus-per-node GPUs must fit, else one
+                           line and exit 2 (a dry run checks it only with --gpu)
+  --gpus-per-node G        GPUs on each host (default 8)
+  --skip-plan              do not compile the plan first
   -h, --help               this text
 Config overrides go last, after --, as dapo-train takes them:
   ... --workdir /shared/runs/x -- --config.optim.lr=1e-6
 EOF_USAGE
 }
-coordinator="" nodes="" rank="" config="" workdir="" dry=0 extra=()
+coordinator="" nodes="" rank="" config="" workdir="" dry=0 extra=() gpu="" gpus=8 plan=1
 while [ $# -gt 0 ]; do
   case "$1" in
-    --coordinator|--nodes|--rank|--config|--workdir)
+    --coordinator|--nodes|--rank|--config|--workdir|--gpu|--gpus-per-node)
       [ $# -ge 2 ] || { echo "multinode_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -42,6 +47,9 @@ while [ $# -gt 0 ]; do
     --config) config="$2"; shift 2 ;;
     --workdir) workdir="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
+    --gpu) gpu="$2"; shift 2 ;;
+    --gpus-per-node) gpus="$2"; shift 2 ;;
+    --skip-plan) plan=0; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "multinode_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -52,6 +60,23 @@ for v in coordinator nodes rank config workdir; do
 done
 [ -f "${config%%:*}" ] || { echo "multinode_gpu.sh: --config ${config%%:*}: no such file" \
                                  "(relative paths start at $PWD)" >&2; exit 2; }
+# The flags dapo-plan's GPU rows assume (dapo_jax/planner/gpu_targets.py; NCCL: its defaults).
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+case " ${XLA_FLAGS:-} " in
+  *" --xla_gpu_enable_latency_hiding_scheduler="*) ;;
+  *) export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true" ;;
+esac
+if [ -z "$gpu" ] && [ "$dry" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)" in
+    *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*80GB*) gpu=a100 ;;
+  esac
+fi
+plan_args=()
+if [ "$plan" = 1 ] && [ -n "$gpu" ]; then
+  plan_args=(--num-devices "$((nodes * gpus))" --plan-target "gpu:$gpu:${nodes}x$gpus")
+elif [ "$plan" = 1 ] && [ "$dry" = 0 ]; then
+  echo "multinode_gpu.sh: no compiled plan (GPU model unknown: pass --gpu h100|h200|a100)" >&2
+fi
 # dapo_jax.infra.distributed reads these three variables and calls jax.distributed.initialize.
 env_vars=(JAX_COORDINATOR_ADDRESS="$coordinator" JAX_NUM_PROCESSES="$nodes"
           JAX_PROCESS_ID="$rank")
@@ -62,7 +87,13 @@ if [ "$dry" = 1 ]; then
   root="$(cd "$(dirname "$0")/.." && pwd -P)"
   # shellcheck source=launch/preflight.sh
   source "$root/launch/preflight.sh"
-  dapo_preflight "$root" --config "$config" -- ${extra[@]+"${extra[@]}"} || exit 2
+  dapo_preflight "$root" --config "$config" ${plan_args[@]+"${plan_args[@]}"} \
+    -- ${extra[@]+"${extra[@]}"} || exit 2
   printf '+'; printf ' %q' "${cmd[@]}"; echo; exit 0
+fi
+if [ ${#plan_args[@]} -gt 0 ]; then  # every host checks the same plan before it trains
+  py="${DAPO_PYTHON:-$(dirname "$(command -v dapo-train)")/python}"
+  JAX_PLATFORMS=cpu "$py" -m dapo_jax.commands.launch_preflight --config "$config" \
+    "${plan_args[@]}" -- ${extra[@]+"${extra[@]}"} || exit 2
 fi
 exec "${cmd[@]}"

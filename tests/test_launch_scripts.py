@@ -170,3 +170,33 @@ def test_gpu_launchers_refuse_with_one_line(args, message):
   out = _sh(["bash", *args])
   assert out.returncode == 2 and message in out.stderr and not out.stdout, out
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("script", ["multinode_gpu.sh", "slurm_gpu.sbatch"])
+def test_gpu_launchers_set_the_flags_the_plan_assumes(script):
+  """The XLA flags and memory fraction dapo-plan's GPU rows are compiled with."""
+  from dapo_jax.planner import gpu_targets  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, "launch", script)) as f:
+    text = f.read()
+  for flag in gpu_targets.XLA_GPU_FLAGS:
+    assert f'XLA_FLAGS="${{XLA_FLAGS:+$XLA_FLAGS }}{flag}"' in text
+  for name, value in gpu_targets.GPU_ENV.items():
+    assert f'export {name}="${{{name}:-{value}}}"' in text
+  assert "--plan-target" in text
+
+
+def test_gpu_plan_preflight_refuses_a_config_that_does_not_fit():
+  """The launchers' plan check (here multinode_gpu.sh's dry run with --gpu): the 32B on one
+  H100 is refused in one line naming dapo-plan; the tiny config on 8 passes. Without the CUDA
+  plugin the plan is the analytic one (the compiled one with it)."""
+  base = ["bash", "launch/multinode_gpu.sh", "--coordinator=h:1", "--rank", "0", "--workdir",
+          "/w", "--dry-run", "--gpu", "h100"]
+  out = _sh(base + ["--nodes", "1", "--gpus-per-node", "1", "--config",
+                    "configs/dapo_qwen2_5_32b.py", "--", "--config.mesh=data=1,fsdp=1,tensor=1",
+                    "--config.optim.micro_batch_size=1"])
+  assert out.returncode == 2 and not out.stdout, out
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+  assert "does not fit gpu:h100:1x1" in out.stderr and "dapo-plan --config" in out.stderr
+  out = _sh(base + ["--nodes", "1", "--config", "configs/tiny_cpu.py"])
+  assert out.returncode == 0, out.stderr
+  assert "fits gpu:h100:1x8" in out.stderr

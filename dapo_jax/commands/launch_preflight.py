@@ -11,7 +11,10 @@ launchers run it in their dry runs. In order, cheapest first:
 * ``--workdir``: gs:// on a slice of more than one host (each host has its own disk, and a
   preempted slice loses its disks);
 * the config loads with the overrides (``dapo_jax.spec.cli.parse``, as every command) and passes
-  ``dapo_jax.config.validate`` for the slice's device count (or ``--num-devices``).
+  ``dapo_jax.config.validate`` for the slice's device count (or ``--num-devices``);
+* ``--plan-target gpu:h100:16x8``: the config's compiled plan (``dapo-plan --noestimate``, the
+  CUDA plugin's compile-only devices: no GPU needed) fits that many GPUs' memory. The GPU
+  launchers run it for the job's node count before any node trains.
 
 Each failure is one line on stderr naming the fix.
 """
@@ -110,6 +113,27 @@ def check_config(config_arg: str, overrides: Sequence[str], num_devices: int | N
   config_lib.validate(fv.config, num_devices=num_devices)
 
 
+def check_plan(config_arg: str, overrides: Sequence[str], target: str) -> str:
+  """The compiled plan of the config on ``target`` fits its memory; returns its one-line
+  verdict."""
+  # pylint: disable=g-import-not-at-top,protected-access
+  from dapo_jax.planner import plan as plan_lib
+  from dapo_jax.planner import targets
+  fv = plan_lib._parse(["--config", config_arg, "--target", target, *overrides])
+  plan = plan_lib.make_plan(plan_lib.configure(fv), targets.parse_target(target),
+                            estimate=False)
+  gib = 2**30
+  phase = max(plan["phase_peaks"], key=plan["phase_peaks"].get)
+  peak = f"{phase} phase {plan['peak_bytes'] / gib:.1f} GiB"
+  if plan["fits"] is False:
+    cap = f" of {plan['hbm_bytes'] / gib:.1f}" if plan["hbm_bytes"] else ""
+    raise PreflightError(
+        f"--config {config_arg}: does not fit {target}: the {peak} per device{cap} "
+        f"({plan['method']}); see dapo-plan --config {config_arg} --target {target} --noestimate "
+        "(docs/planning.md), or pass --skip-plan.")
+  return f"fits {target} ({peak} per device, {plan['method']})"
+
+
 def preflight(argv: Sequence[str]) -> None:
   argv = list(argv)
   overrides = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -121,7 +145,12 @@ def preflight(argv: Sequence[str]) -> None:
   parser.add_argument("--type", help="Cloud TPU accelerator type, e.g. v5p-128")
   parser.add_argument("--tree", help="the directory copied to the workers")
   parser.add_argument("--num-devices", type=int, help="device count (default: from --type)")
+  parser.add_argument("--plan-target", help="gpu:<h100|h200|a100>:<nodes>x<gpus>: refuse a "
+                      "config whose compiled plan does not fit these GPUs")
   args = parser.parse_args(argv)
+  if args.plan_target:  # before JAX starts its backends (and the CUDA plugin)
+    from dapo_jax.planner import gpu_targets  # pylint: disable=g-import-not-at-top
+    gpu_targets.prepare_cuda_env(args.plan_target)
   if any(a in ("-h", "--help", "--helpfull") for a in overrides):
     raise PreflightError("--help after --: dapo-train would print its usage and train nothing; "
                          "see dapo-train --help locally.")
@@ -131,6 +160,8 @@ def preflight(argv: Sequence[str]) -> None:
   if tpu and args.workdir:
     check_workdir(args.workdir, args.type, tpu.hosts)
   check_config(args.config, overrides, devices)
+  if args.plan_target:
+    print(f"{PROG}: {check_plan(args.config, overrides, args.plan_target)}", file=sys.stderr)
   where = (f"{args.type} ({tpu.hosts} host{'s' * (tpu.hosts > 1)}, {devices} devices)" if tpu
            else f"{devices} devices" if devices else "any device count")
   print(f"{PROG}: {args.config} with {len(overrides)} override(s) passes the config checks "

@@ -18,8 +18,9 @@ import importlib.metadata
 import importlib.util
 import os
 
-# The XLA flags the plan compiles with and the launchers set (launch/gpu_env.sh): the latency
-# hiding scheduler overlaps collectives with compute (NVIDIA's JAX-Toolbox sets it in its images).
+# The XLA flags the plan compiles with and the launchers set (launch/slurm_gpu.sbatch,
+# launch/multinode_gpu.sh): the latency hiding scheduler overlaps collectives with compute
+# (NVIDIA's JAX-Toolbox sets it in its images).
 XLA_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 # The memory fraction the plan checks against (`plan_estimates.GPU_MEM_FRACTION`). NCCL: its
 # defaults, no NCCL_* variable (the plan counts no communication time).
