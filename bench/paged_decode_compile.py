@@ -113,6 +113,7 @@ def engine_chunk(args) -> None:
          "slots": args.slots, "pages_per_shard": args.pages, "data_shards": shards,
          "engine_state_bytes": c["parts"]["engine_state"], "temp_bytes": temp,
          "layer_pool_bytes": layer_pool, "pool_bytes": layer_pool * args.layers,
+         "memory": c.get("memory"),  # argument / output / alias (donated) / temp bytes
          "oom": c.get("oom"), "kernel_calls": c.get("kernel_calls"),
          "compile_seconds": c.get("compile_seconds")}
   print(json.dumps(out))
