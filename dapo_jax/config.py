@@ -158,6 +158,16 @@ def default_config() -> ml_collections.ConfigDict:
   # samples in flight move on to each newer policy as it is handed over, keeping their KV, and
   # every token records its version. Fresher tokens; the run then depends on timing.
   c.algorithm.partial_rollouts = False
+  # Pre-rollout skipping (trainer/skip_filter.py, docs/skip_filter.md; GRESO, arXiv 2506.02177):
+  # a prompt whose last z groups were all-right (or all-wrong) is rolled out only with probability
+  # max(skip_floor, explore[kind]^z); explore[kind] moves by skip_adapt_rate after every step
+  # toward the kind holding skip_target / 2 of the decoded groups. Off: today's run, bit for bit.
+  # skip_max_prompts bounds the per-prompt history (least recently updated prompts leave first).
+  c.algorithm.skip_filter = False
+  c.algorithm.skip_target = 0.25
+  c.algorithm.skip_floor = 0.05
+  c.algorithm.skip_adapt_rate = 0.05
+  c.algorithm.skip_max_prompts = 200_000
 
   c.optim = ml_collections.ConfigDict()
   c.optim.train_batch_size = 512  # prompts per step
@@ -304,6 +314,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("algorithm.kl_loss_coef", c.algorithm.kl_loss_coef, "must be >= 0")
   _check_rollout_is(c, bad)
   _check_overlap(c, num_devices, bad)
+  _check_skip_filter(c.algorithm, bad)
   o = c.optim
   if o.warmup_style not in WARMUP_STYLES:
     bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")
@@ -374,6 +385,24 @@ def _check_rollout_is(c: ml_collections.ConfigDict, bad) -> None:
         "corrects the recomputed old log-probs towards the sampler's, but "
         "rollout.use_sampler_logprobs=True makes them the sampler's (every weight 1); "
         "set one of the two off")
+
+
+def _check_skip_filter(a: ml_collections.ConfigDict, bad) -> None:
+  """``algorithm.skip_*`` (trainer/skip_filter.py)."""
+  if not 0 <= a.skip_target <= 1:
+    bad("algorithm.skip_target", a.skip_target,
+        "must lie in [0, 1] (the share of zero-variance groups among those decoded)")
+  if not 0 < a.skip_floor <= 1:
+    bad("algorithm.skip_floor", a.skip_floor,
+        "must lie in (0, 1]: the least probability of retrying a skipped prompt")
+  if not 0 < a.skip_adapt_rate <= 1:
+    bad("algorithm.skip_adapt_rate", a.skip_adapt_rate, "must lie in (0, 1], e.g. 0.05")
+  n = a.skip_max_prompts
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    bad("algorithm.skip_max_prompts", n, "must be an integer >= 1 (prompts with a history)")
+  if a.skip_filter and not a.dynamic_sampling:
+    bad("algorithm.skip_filter", True, "needs algorithm.dynamic_sampling=True (it skips the "
+        "prompts dynamic sampling would drop)")
 
 
 def _check_overlap(c: ml_collections.ConfigDict, num_devices: int | None, bad) -> None:

@@ -30,6 +30,13 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("dynamic sampling: group ratios", ("*kept_ratio", "*all_correct_ratio", "*all_wrong_ratio")),
     ("generation batches per step", ("*num_gen_batches", "*gen_batches_admitted")),
     ("decoded tokens per kept group", ("*decoded_tokens_per_kept_group",)),
+    ("decoded tokens per kept group / ideal (1: every group kept)",
+     ("*decoded_per_kept_vs_ideal",)),
+    # The pre-rollout skip filter (algorithm.skip_filter, trainer/skip_filter.py).
+    ("skip filter: prompts skipped by kind, retried, retried and informative",
+     ("skip/skipped_right", "skip/skipped_wrong", "skip/retried", "skip/retried_informative")),
+    ("skip filter: zero-variance share before / after, retry bases",
+     ("skip/zero_var_share_*", "skip/explore_*")),
     ("decode slot utilisation", ("*slot_utilization",)),
     # dapo_jax.trainer.diagnostics (read the first next to the group ratios and generation batches).
     ("distinct final answers per group", ("diag/distinct_answers_*",)),

@@ -129,6 +129,11 @@ class AlgorithmSpec:
   max_staleness: int
   allow_uncorrected_staleness: bool
   partial_rollouts: bool
+  skip_filter: bool
+  skip_target: float
+  skip_floor: float
+  skip_adapt_rate: float
+  skip_max_prompts: int
 
 
 @dataclasses.dataclass(frozen=True)

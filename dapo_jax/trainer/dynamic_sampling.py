@@ -132,6 +132,8 @@ class SamplingStats:
   # Paged KV cache: samples sent back to the queue for want of pages (decoded again, the same
   # tokens; their first pass counts in decoded_tokens).
   preemptions: int = 0
+  # A prefilter's prompts skipped before rollout (none without one).
+  prompts_skipped: int = 0
 
   def _ratio(self, n: int) -> float:
     return n / self.num_groups_generated if self.num_groups_generated else 0.0
@@ -163,6 +165,13 @@ class SamplingStats:
     """Response tokens decoded per group trained (discarded groups' tokens included)."""
     return self.decoded_tokens / self.trained_groups if self.trained_groups else 0.0
 
+  @property
+  def decoded_per_kept_vs_ideal(self) -> float:
+    """`decoded_tokens_per_kept_group` over its ideal, every decoded group kept (1 = no waste)."""
+    if not (self.decoded_tokens and self.num_groups_generated):
+      return 0.0
+    return self.decoded_tokens_per_kept_group / (self.decoded_tokens / self.num_groups_generated)
+
   def to_dict(self) -> dict[str, float]:
     """Flat metrics for the logger."""
     d = {k: float(v) for k, v in dataclasses.asdict(self).items()}
@@ -171,7 +180,8 @@ class SamplingStats:
              all_wrong_ratio=self.all_wrong_ratio,
              gen_batches_admitted=self.gen_batches_admitted,
              slot_utilization=self.slot_utilization,
-             decoded_tokens_per_kept_group=self.decoded_tokens_per_kept_group)
+             decoded_tokens_per_kept_group=self.decoded_tokens_per_kept_group,
+             decoded_per_kept_vs_ideal=self.decoded_per_kept_vs_ideal)
     return d
 
 
@@ -209,6 +219,26 @@ class GroupStream(Protocol):
   # (a static sampler's call); the loop then admits whole blocks (ids k*block ... ) at a time.
 
 
+class PreFilter(Protocol):
+  """Skips prompts before their rollout (e.g. `skip_filter.SkipFilter`); must decide the same on
+  every process."""
+
+  def admit(self, prompts: Sequence[Any]) -> list[Any]:
+    """The drawn generation batch's prompts to roll out, in order."""
+
+  def record(self, prompt: Any, acc: np.ndarray) -> None:
+    """A scored group's outcome."""
+
+  def end_call(self, num_generated: int, num_all_right: int, num_all_wrong: int) -> None:
+    """A `sample`/`sample_stream` call gathered its batch."""
+
+  def state_dict(self) -> dict[str, Any]:
+    """JSON state, saved with the sampler's."""
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """The inverse of `state_dict`."""
+
+
 class DynamicSampler:
   """Spec section 5 around any rollout callable.
 
@@ -225,7 +255,8 @@ class DynamicSampler:
                max_num_gen_batches: int = 0,
                keep_surplus: bool = False,
                enable: bool = True,
-               group_type: type[Group] = Group):
+               group_type: type[Group] = Group,
+               prefilter: PreFilter | None = None):
     """Configures the sampler.
 
     Args:
@@ -239,6 +270,8 @@ class DynamicSampler:
       enable: False disables filtering (naive GRPO): the first
         train_batch_size groups are taken whatever their accuracy.
       group_type: the Group class whose `from_json` restores `state_dict()`.
+      prefilter: skips drawn prompts before their rollout and learns from every group taken
+        (None: every drawn prompt is rolled out, as without one).
     """
     if int(train_batch_size) < 1:
       raise ValueError(f"train_batch_size must be >= 1, got "
@@ -252,6 +285,7 @@ class DynamicSampler:
     self.keep_surplus = bool(keep_surplus)
     self.enable = bool(enable)
     self.group_type = group_type
+    self.prefilter = prefilter
     self._carried: list[Group] = []
 
   @property
@@ -404,6 +438,10 @@ class DynamicSampler:
           buffer, stats) from None
     stats.num_gen_batches += 1
     stats.gen_batch_size = stats.gen_batch_size or len(prompts)
+    if self.prefilter is not None:
+      kept = self.prefilter.admit(prompts)
+      stats.prompts_skipped += len(prompts) - len(kept)
+      prompts = kept
     return prompts
 
   def _take(self, g: Group, stats: SamplingStats, buffer: list[Group]) -> None:
@@ -414,6 +452,8 @@ class DynamicSampler:
     stats.rollouts_generated += g.size
     stats.num_all_correct += g.all_correct and g.size > 1
     stats.num_all_wrong += g.all_wrong and g.size > 1
+    if self.prefilter is not None:
+      self.prefilter.record(g.prompt, g.acc)
     if g.is_valid:
       stats.num_groups_kept += 1
     if g.is_valid or not self.enable:
@@ -429,6 +469,9 @@ class DynamicSampler:
     stats.surplus_carried = self.keep_surplus and bool(surplus)
     if self.keep_surplus:
       self._carried = surplus
+    if self.prefilter is not None:
+      self.prefilter.end_call(stats.num_groups_generated, stats.num_all_correct,
+                              stats.num_all_wrong)
     return batch, stats
 
   def carry(self, groups: Sequence[Group]) -> None:
@@ -440,9 +483,12 @@ class DynamicSampler:
     self._carried = list(groups)
 
   def state_dict(self) -> dict[str, Any]:
-    """Checkpointable state as JSON values: the carried surplus (`Group.to_json`)."""
-    return {"version": STATE_VERSION,
-            "carried": [g.to_json() for g in self._carried]}
+    """Checkpointable state as JSON values: the carried surplus (`Group.to_json`) and the
+    prefilter's state (only with one)."""
+    state = {"version": STATE_VERSION, "carried": [g.to_json() for g in self._carried]}
+    if self.prefilter is not None:
+      state["prefilter"] = self.prefilter.state_dict()
+    return state
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     """Restores `state_dict()` output (`group_type.from_json` per group)."""
@@ -451,3 +497,6 @@ class DynamicSampler:
       raise ValueError(f"DynamicSampler state version {version!r} is not "
                        f"supported (expected {STATE_VERSION}).")
     self._carried = [self.group_type.from_json(g) for g in state["carried"]]
+    # A run that turns the prefilter on at a resume starts its history empty.
+    if self.prefilter is not None and "prefilter" in state:
+      self.prefilter.load_state_dict(state["prefilter"])

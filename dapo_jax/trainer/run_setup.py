@@ -24,6 +24,7 @@ from dapo_jax.data.loaders import load_records
 from dapo_jax.data.pipeline import PromptIterator
 from dapo_jax.data.records import MathRecord
 from dapo_jax.trainer.dynamic_sampling import DynamicSampler
+from dapo_jax.trainer.skip_filter import SkipFilter
 from dapo_jax.trainer.generation import Generator
 from dapo_jax.models import Qwen2Config, attention, create_model, get_preset, lora
 from dapo_jax.rewards.batch import RewardScorer
@@ -366,7 +367,8 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   sampler = DynamicSampler(
       train_batch_size=spec.optim.train_batch_size,
       max_num_gen_batches=a.max_num_gen_batches if a.dynamic_sampling else 0,
-      keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup)
+      keep_surplus=a.keep_surplus, enable=a.dynamic_sampling, group_type=ScoredGroup,
+      prefilter=skip_filter(spec))
   run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
             eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
             train_config=tcfg, graphdef=graphdef,
@@ -375,6 +377,17 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
             checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler,
             lora_base=lora_base(spec.model, spec.seed, state) if lcfg.rank else None)
   return run, state
+
+
+def skip_filter(spec: RunSpec) -> SkipFilter | None:
+  """``algorithm.skip_filter``'s pre-rollout filter, this process's shard of the history."""
+  a = spec.algorithm
+  if not a.skip_filter:
+    return None
+  return SkipFilter(seed=spec.seed, group_size=spec.rollout.n, target=a.skip_target,
+                    floor=a.skip_floor, adapt_rate=a.skip_adapt_rate,
+                    max_prompts=a.skip_max_prompts, process_index=jax.process_index(),
+                    process_count=jax.process_count())
 
 
 def lora_base(m: ModelSpec, seed: int, state: TrainState) -> dict[str, Any]:

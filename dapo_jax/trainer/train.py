@@ -272,6 +272,9 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
   if newest is not None:
     stream.follow(newest, version)
   batches = pipeline.global_batches(run.iterator)
+  prefilter = run.sampler.prefilter
+  if prefilter is not None:
+    prefilter.begin(step)  # its draws depend on (seed, step, prompt index) only
   try:
     if loop == "batch":
       groups, ds_stats = run.sampler.sample(batches, generate_fn=stream.generate)
@@ -295,6 +298,9 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
                                       rows_per_decode=ppc * r.n)
   if spec.algorithm.max_staleness:
     diag["sampling/carried_dropped_stale"] = float(dropped)
+  if prefilter is not None:
+    diag.update(prefilter.metrics(ds_stats.num_groups_generated,
+                                  ds_stats.num_all_correct + ds_stats.num_all_wrong))
   return traj, ds_stats, diag
 
 
