@@ -40,6 +40,7 @@ from dapo_jax.infra import sharding as shd
 from dapo_jax.models import Qwen2Config, attention
 from dapo_jax.planner import gpu_targets
 from dapo_jax.planner import plan_estimates as est
+from dapo_jax.planner import plan_overlap
 from dapo_jax.planner import plan_paged
 from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout,
                                        compile_decode_costs, compile_logprob, compile_rollout,
@@ -200,6 +201,8 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
     plan["paged_estimate"] = plan_paged.estimate(spec, mcfg, target.chip, target.num_devices,
                                                  target.hbm_bytes, resident)
     plan["paged_estimate"]["compiled"] = plan_paged.compiled_engines(plan)
+    # The overlapped step (k = 1) on every split, next to the serial one (docs/overlap.md).
+    plan["overlap_estimate"] = plan_overlap.for_plan(spec, mcfg, plan, target)
   return plan
 
 
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   spec = configure(fv)
   # The trainer's compiler options (dapo-train applies the same).
   libtpu_flags.apply(spec.tpu_windowed_einsum)
-  target = parse_target(fv.target)
+  target = plan_overlap.analytic_target(fv.target, parse_target)  # TPU, no libtpu: analytic
   plan = make_plan(spec, target, estimate=None if fv.estimate else False)
   print(format_plan(plan))
   if fv.json:

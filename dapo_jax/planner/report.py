@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dapo_jax.planner import plan_overlap
 from dapo_jax.planner import plan_paged
 from dapo_jax.planner.targets import GiB
 
@@ -79,6 +80,8 @@ def format_plan(plan: dict[str, Any]) -> str:
   if "paged_estimate" in plan:
     cont = plan.get("estimate", {}).get("phases", {}).get("rollout_continuous", {})
     lines += plan_paged.format_lines(plan["paged_estimate"], cont.get("seconds"))
+  if "overlap_estimate" in plan:
+    lines += plan_overlap.format_lines(plan["overlap_estimate"])
   lines += [f"  warning: {w}" for w in plan["warnings"]]
   return "\n".join(lines)
 
