@@ -2,22 +2,29 @@
 
 Two checks of the same two computations (each computed once per module):
 
-* bit-exact: metrics and final parameters identical to a recording of this CPU. XLA:CPU results
-  depend on the host's vector units, so these are kept per CPU in ``tests/golden/<cpu>.json``,
-  ``<cpu>`` being the model name and a hash of the family, model and feature flags (what XLA:CPU
-  compiles for); a file named by the model name alone is an older recording, used where no exact
-  one exists. Each record names the jax, jaxlib, flax, optax and numpy versions it was made
-  with. On a CPU with no file, or under other versions, this check skips, saying how to record.
-  Metrics added since a recording are not pinned by it (a host that made it may be out of
+* bit-exact: metrics and final parameters identical to a recording of this very CPU. XLA:CPU
+  results depend on the host's vector units, so these are kept per CPU in
+  ``tests/golden/<cpu>.json``, ``<cpu>`` being the model name and a hash of the family, model and
+  feature flags (what XLA:CPU compiles for). Only the file of this exact key is read: a recording
+  of another revision of the same model (the old files named by the model name alone) says nothing
+  bit for bit about this one. Each record names the jax, jaxlib, flax, optax and numpy versions it
+  was made with. On a CPU with no file, or under other versions, this check skips, saying how to
+  record. Metrics added since a recording are not pinned by it (a host that made it may be out of
   reach); a recorded metric that is gone fails.
 * cross-host: the metrics within a stated tolerance of ``tests/golden/cross_host.json`` (its
-  ``why`` says how the tolerance was measured). This one runs on every host and never skips.
+  ``why`` says how the tolerance was measured). This one runs on every host and never skips: it is
+  what covers a CPU nobody recorded.
 
-When a change is MEANT to alter the numerics, re-record both with
+To record this CPU's exact file (a new host; the cross-host reference is left alone):
+
+    DAPO_UPDATE_GOLDEN=cpu python -m pytest -q tests/test_golden.py
+
+When a change is MEANT to alter the numerics, re-record this CPU's file and the cross-host
+reference with
 
     DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py
 
-and say in the commit why the numbers moved.
+and say in the commit why the numbers moved (other CPUs' files then skip until re-recorded there).
 """
 
 import hashlib
@@ -37,8 +44,10 @@ from tests.test_train_e2e import _small_config
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 CROSS_HOST = os.path.join(GOLDEN_DIR, "cross_host.json")
-UPDATE = os.environ.get("DAPO_UPDATE_GOLDEN") == "1"
+# "1": re-record this CPU's file and the cross-host reference; "cpu": this CPU's file only.
+UPDATE = os.environ.get("DAPO_UPDATE_GOLDEN", "")
 RECORD = "DAPO_UPDATE_GOLDEN=1 python -m pytest -q tests/test_golden.py"
+RECORD_CPU = "DAPO_UPDATE_GOLDEN=cpu python -m pytest -q tests/test_golden.py"
 
 
 def _cpuinfo() -> str:
@@ -49,8 +58,8 @@ def _cpuinfo() -> str:
     return ""
 
 
-def _legacy_cpu_key(info: str) -> str:
-  """The model name (and -avx512): the key of the first recordings."""
+def _cpu_model(info: str) -> str:
+  """The model name as a slug (and -avx512), e.g. amd-epyc-avx512."""
   m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
   slug = re.sub(r"[^a-z0-9]+", "-", (m.group(1) if m else "unknown-cpu").lower()).strip("-")
   return f"{slug}{'-avx512' if ' avx512f' in info else ''}"
@@ -62,15 +71,12 @@ def _cpu_key(info: str) -> str:
     m = re.search(rf"^{name}\s*:\s*(.*)$", info, re.M)
     return m.group(1).strip() if m else ""
   ident = "|".join([field("cpu family"), field("model"), " ".join(sorted(field("flags").split()))])
-  return f"{_legacy_cpu_key(info)}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
+  return f"{_cpu_model(info)}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
 
 
 def _golden_path() -> str:
-  """The exact recording for this CPU, else an older one named by the model name alone."""
-  info = _cpuinfo()
-  exact = os.path.join(GOLDEN_DIR, f"{_cpu_key(info)}.json")
-  legacy = os.path.join(GOLDEN_DIR, f"{_legacy_cpu_key(info)}.json")
-  return exact if UPDATE or os.path.exists(exact) or not os.path.exists(legacy) else legacy
+  """The recording of this exact CPU key, whether or not it exists: never another revision's."""
+  return os.path.join(GOLDEN_DIR, f"{_cpu_key(_cpuinfo())}.json")
 
 
 def _versions() -> dict[str, str]:
@@ -102,20 +108,20 @@ def _check(name: str, record: dict) -> None:
   if os.path.exists(path):
     with open(path) as f:
       golden = json.load(f)
-  if UPDATE:
+  if UPDATE in ("1", "cpu"):
     golden[name] = {**record, "versions": _versions()}
     os.makedirs(GOLDEN_DIR, exist_ok=True)
     with open(path, "w") as f:
       json.dump(golden, f, indent=1, sort_keys=True)
     return
   if name not in golden:
-    pytest.skip(f"No golden values for {name!r} on this CPU ({os.path.basename(path)}); "
-                f"record them with {RECORD}")
+    pytest.skip(f"No golden values for {name!r} on this CPU ({os.path.basename(path)}); the "
+                f"cross-host check covers it. Record them with {RECORD_CPU}")
   want = golden[name]
   recorded = want.get("versions")  # None: an older recording, made before versions were kept
   if recorded is not None and recorded != _versions():
     pytest.skip(f"Golden values for {name!r} were recorded under {recorded}, this is "
-                f"{_versions()}; record them with {RECORD}")
+                f"{_versions()}; record them with {RECORD_CPU}")
   how = (f" If this change is meant to alter the numerics, re-record with {RECORD} and say why "
          "in the commit.")
   moved = {k: (v, record["metrics"].get(k)) for k, v in want["metrics"].items()
@@ -138,7 +144,7 @@ CROSS_HOST_WHY = (
     "Reference metrics of test_golden's one update (train_step) and 3-step run (tiny_run), "
     "checked on every host as |got - want| <= atol + rtol * |want|. Measured between the hosts "
     "recorded in tests/golden: an AMD EPYC without AVX-512 (family 25 model 1, the host of this "
-    "recording, which reproduces amd-epyc.json bit for bit) and AMD EPYC AVX-512 hosts "
+    "recording, amd-epyc-6a62dbd2.json) and AMD EPYC AVX-512 hosts "
     "(amd-epyc-avx512-fe2b22db.json), same jax/jaxlib/flax/optax/numpy: at most 2.4e-7 absolute "
     "(grad_norm ~2.1) and 7e-7 relative on values above 1e-2 (the update's ppo_kl, 0.024); the "
     "3-step run's ppo_kl (~6e-5) differs by 1.7e-8, 2.6e-4 relative, as a difference of "
@@ -157,7 +163,7 @@ def _check_close(name: str, metrics: dict[str, float]) -> None:
     with open(CROSS_HOST) as f:
       ref = json.load(f)
   metrics = {k: v for k, v in metrics.items() if k.split(":")[-1] not in HOST_METRICS}
-  if UPDATE:
+  if UPDATE == "1":
     ref.update(why=CROSS_HOST_WHY, rtol=ref.get("rtol", RTOL), atol=ref.get("atol", ATOL),
                excluded=HOST_METRICS, versions=_versions(), cpu=_cpu_key(_cpuinfo()))
     ref[name] = metrics
@@ -233,3 +239,28 @@ def test_cross_host_train_step(train_step_record):
 
 def test_cross_host_tiny_run(tiny_run_record):
   _check_close("tiny_run", tiny_run_record["metrics"])
+
+
+_UNRECORDED_CPU = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 999\n"
+                   "model name\t: AMD EPYC\nflags\t\t: fpu sse sse2 avx avx2 fma\n")
+
+
+def test_golden_file_choice_on_an_unrecorded_cpu(tmp_path, monkeypatch):
+  """A CPU whose exact key has no file skips the bit-exact check, even where a file of the same
+  model name (another revision's recording, with other numbers) exists; nothing there can fail."""
+  monkeypatch.setitem(globals(), "_cpuinfo", lambda: _UNRECORDED_CPU)
+  monkeypatch.setitem(globals(), "GOLDEN_DIR", str(tmp_path))
+  monkeypatch.setitem(globals(), "UPDATE", "")
+  key = _cpu_key(_UNRECORDED_CPU)
+  assert key.startswith("amd-epyc-") and key != "amd-epyc"
+  other = {"metrics": {"ppo_kl": 0.02382166124880314}, "params": {"w": "0" * 64}}
+  for name in ("amd-epyc.json", "amd-epyc-6a62dbd2.json"):  # same model, not this key
+    (tmp_path / name).write_text(json.dumps({"train_step": other}))
+  assert _golden_path() == str(tmp_path / f"{key}.json")
+  moved = {"metrics": {"ppo_kl": 0.023821653798222542}, "params": {"w": "1" * 64}}
+  with pytest.raises(pytest.skip.Exception, match="cross-host check covers it"):
+    _check("train_step", moved)
+  # The same record on the CPU it was recorded on does fail: the skip above is the key's doing.
+  (tmp_path / f"{key}.json").write_text(json.dumps({"train_step": other}))
+  with pytest.raises(AssertionError, match="metrics moved: ppo_kl"):
+    _check("train_step", moved)
