@@ -54,13 +54,14 @@ EXTRAS_REQUIRE = {
         "peft>=0.21,<1",  # a LoRA run's exported adapter loads onto the HF base (test_lora_export)
     ],
     # bench/decode_throughput.py: transformers `generate` as a baseline, and what Tunix's
-    # sampler imports beyond this project's requirements. Tunix itself is not listed: its
-    # requirements pin safetensors<0.8 (ours need >=0.8), so it goes in with --no-deps into a
-    # directory passed as --tunix_path (bench/README.md, "Tunix").
+    # sampler imports beyond this project's requirements (its TUNIX_REQUIRES). Tunix itself is
+    # not listed: its requirements pin safetensors<0.8 (ours need >=0.8), so it goes in with
+    # --no-deps into a directory passed as --tunix_path (bench/README.md, "Tunix").
     "bench": [
         "torch==2.13.0",
         "transformers>=5.0,<6",
         "jaxtyping>=0.3.11,<0.4",
+        "sentencepiece>=0.2,<0.3",  # tunix.generate.sampler (it came with TensorFlow before)
     ],
     # config.logging.wandb.enable=True (imported only then).
     "wandb": ["wandb>=0.31,<1"],

@@ -49,6 +49,9 @@ from dapo_jax.models import Qwen2Config
 from dapo_jax.infra import sharding as shd
 from dapo_jax.rollout import Sampler, SamplingParams
 
+# What Tunix's sampler and Qwen2 modules import beyond this project's requirements (module ->
+# pip package): the `[bench]` extra installs them, tests/test_bench_extras.py checks it.
+TUNIX_REQUIRES = {"jaxtyping": "jaxtyping", "sentencepiece": "sentencepiece"}
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=2)
 
@@ -117,12 +120,17 @@ def _import_tunix(tunix_path: str):
   for.
   """
   import importlib  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   pkg_dir = os.path.join(os.path.abspath(tunix_path), "tunix")
   if not os.path.isdir(pkg_dir):
     raise FileNotFoundError(f"--tunix_path {tunix_path!r} holds no tunix/ package; install it "
                             f"with pip install --no-deps --target DIR google-tunix (see the "
                             f"module docstring).")
+  missing = [pkg for mod, pkg in TUNIX_REQUIRES.items() if importlib.util.find_spec(mod) is None]
+  if missing:
+    raise ModuleNotFoundError(f"Tunix's sampler imports {', '.join(missing)}, not installed: "
+                              f"pip install -e '.[bench]' (or pip install {' '.join(missing)}).")
   sys.path.insert(0, os.path.abspath(tunix_path))
   pkg = types.ModuleType("tunix")
   pkg.__path__ = [pkg_dir]
