@@ -170,8 +170,8 @@ def _rollout(pe: dict[str, Any], mcfg: Qwen2Config, chip: est.Chip, budget: int
 
 
 def estimate(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], chip: est.Chip,
-             platform: str, generation: str, num_devices: int, hbm_bytes: int,
-             chips_per_host: int) -> dict[str, Any]:
+             generation: str, num_devices: int, hbm_bytes: int, chips_per_host: int
+             ) -> dict[str, Any]:
   """The overlap estimate (see the module's doc) for every split of ``num_devices`` chips, the
   serial step on the same basis, and the recommended split. ``plan``: dapo-plan's, with its
   training memory (``train``), rollout weights and ``paged_estimate`` (the serial rollout)."""
@@ -270,7 +270,7 @@ def for_plan(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], target) -> 
     per_host = int(target.name.rpartition("x")[2]) if "x" in target.name else target.num_devices
   else:
     per_host = min(TPU_CHIPS_PER_HOST, target.num_devices)
-  return estimate(spec, mcfg, plan, target.chip, target.kind, generation, target.num_devices,
+  return estimate(spec, mcfg, plan, target.chip, generation, target.num_devices,
                   target.hbm_bytes, per_host)
 
 
