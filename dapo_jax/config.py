@@ -72,6 +72,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.on_malformed = "raise"  # or "skip" (counted and logged)
   c.data.num_epochs = 0  # 0: endless; N: running out of data stops the run (with a checkpoint)
   c.data.max_prompt_length = 2048
+  # A prompt that renders to more tokens: "left" cuts its start (spec 7: the end of the question
+  # and the generation prompt survive), "right" its end, "error" stops the run. Counted either
+  # way (data/prompts_truncated per step, a warning at start-up).
+  c.data.truncate = "left"
   c.data.arithmetic = ml_collections.ConfigDict(dict(
       num_train=20000, num_eval=256, min_digits=1, max_digits=2, min_operands=2, max_operands=2,
       ops="+-*"))
@@ -355,6 +359,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     batch_rules.check_batch_split(c, num_devices, bad)
   if c.optim.lr <= 0 or c.optim.grad_clip <= 0:
     bad("optim.lr", c.optim.lr, "learning rate and grad_clip must be positive")
+  if c.data.truncate not in ("left", "right", "error"):
+    bad("data.truncate", c.data.truncate, "choose 'left', 'right' or 'error'")
   if c.data.on_malformed not in ("raise", "skip"):
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
   if c.data.num_epochs < 0:

@@ -177,3 +177,54 @@ def test_bad_arguments():
     PromptIterator(RECORDS, batch_size=24, seed=0)
   with pytest.raises(ValueError, match="process_index"):
     PromptIterator(RECORDS, batch_size=4, seed=0, process_index=2, process_count=2)
+
+
+class _Recorder:
+  """A rollout stream that keeps what it is admitted (no decoding)."""
+
+  def __init__(self):
+    self.admitted = []
+
+  def admit(self, ids, index):
+    self.admitted.append(list(ids))
+
+
+def test_a_prompt_one_token_too_long_is_counted_cut_as_asked_or_refused():
+  from dapo_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import char_tokenizer  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import generation  # pylint: disable=g-import-not-at-top
+  tok = char_tokenizer.CharTokenizer()
+  short, long_ = MathRecord(prompt="1+2=", ground_truth="3", data_source="t", index=0), MathRecord(
+      prompt="1+2+3=", ground_truth="6", data_source="t", index=1)
+  full = pipeline.render_full(long_, tok)
+  limit = len(full) - 1  # the longer prompt is one token over, the shorter one fits
+  assert len(pipeline.render_full(short, tok)) <= limit
+  assert pipeline.fit_prompt(full, limit, "left") == full[1:]
+  assert pipeline.fit_prompt(full, limit, "right") == full[:-1]
+  with pytest.raises(pipeline.PromptTooLongError, match=f"renders to {len(full)} tokens"):
+    pipeline.fit_prompt(full, limit, "error")
+  assert pipeline.overlong_prompts([short, long_, long_], tok, limit) == (1, 2, len(full))
+  gen = generation.Generator(None, tok, None, None, num_samples=1, max_prompt_length=limit)
+  recorder = _Recorder()
+  stream = generation.ScoringStream(gen, recorder)
+  stream.admit(short, 0)
+  stream.admit(long_, 1)
+  assert stream.prompts_truncated == 1 and recorder.admitted[1] == full[1:]
+
+
+def test_start_up_warns_of_truncated_prompts_and_refuses_under_error(caplog):
+  from dapo_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
+  from dapo_jax.config import default_config  # pylint: disable=g-import-not-at-top
+  from dapo_jax.tokenizers import char_tokenizer  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  tok = char_tokenizer.CharTokenizer()
+  records = [MathRecord(prompt="1+2+3=", ground_truth="6", data_source="t", index=0)]
+  c = default_config()
+  c.data.max_prompt_length = len(pipeline.render_full(records[0], tok)) - 1
+  run_setup.check_prompt_lengths(read_section(c, "data"), records, tok)
+  assert "1 of the 1 distinct training prompts" in caplog.text
+  assert f"data.max_prompt_length={c.data.max_prompt_length + 1} keeps them whole" in caplog.text
+  c.data.truncate = "error"
+  with pytest.raises(pipeline.PromptTooLongError, match="Raise data.max_prompt_length"):
+    run_setup.check_prompt_lengths(read_section(c, "data"), records, tok)

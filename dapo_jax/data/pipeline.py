@@ -27,22 +27,54 @@ class ChatTokenizer(Protocol):
     ...
 
 
-def render_prompt(record: MathRecord | str, tokenizer: ChatTokenizer,
-                  max_prompt_length: int) -> list[int]:
-  """Token ids of one prompt: chat template, generation prompt, left truncation.
+TRUNCATE_MODES = ("left", "right", "error")  # data.truncate
 
-  The user turn goes through the model's chat template with
-  `add_generation_prompt=True`; if longer than `max_prompt_length` tokens the
-  START is cut (spec section 7), so the generation prompt and the end of the
-  question, where the answer-format instruction sits, survive.
-  """
-  if max_prompt_length <= 0:
-    raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+
+class PromptTooLongError(ValueError):
+  """A prompt renders to more than data.max_prompt_length tokens under data.truncate='error'."""
+
+
+def render_full(record: MathRecord | str, tokenizer: ChatTokenizer) -> list[int]:
+  """Token ids of one prompt, not truncated: the user turn through the model's chat template
+  with `add_generation_prompt=True`."""
   content = record.prompt if isinstance(record, MathRecord) else record
   text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                        add_generation_prompt=True)
-  ids = list(tokenizer.encode(text))
-  return ids[-max_prompt_length:]
+  return list(tokenizer.encode(text))
+
+
+def fit_prompt(ids: Sequence[int], max_prompt_length: int, truncate: str = "left"
+               ) -> list[int]:
+  """``ids`` cut to ``max_prompt_length`` as ``truncate`` (``data.truncate``) says: "left"
+  cuts the START (spec section 7), so the generation prompt and the end of the question, where
+  the answer-format instruction sits, survive; "right" cuts the end; "error" refuses."""
+  if max_prompt_length <= 0:
+    raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+  if truncate not in TRUNCATE_MODES:
+    raise ValueError(f"truncate={truncate!r}; choose one of {TRUNCATE_MODES}.")
+  ids = list(ids)
+  if len(ids) <= max_prompt_length:
+    return ids
+  if truncate == "error":
+    raise PromptTooLongError(
+        f"A prompt renders to {len(ids)} tokens, more than data.max_prompt_length="
+        f"{max_prompt_length}. Raise data.max_prompt_length to {len(ids)} or more, or set "
+        "data.truncate='left' (cut its start) or 'right'.")
+  return ids[-max_prompt_length:] if truncate == "left" else ids[:max_prompt_length]
+
+
+def render_prompt(record: MathRecord | str, tokenizer: ChatTokenizer,
+                  max_prompt_length: int, truncate: str = "left") -> list[int]:
+  """Token ids of one prompt: chat template, generation prompt, truncation (`fit_prompt`)."""
+  return fit_prompt(render_full(record, tokenizer), max_prompt_length, truncate)
+
+
+def overlong_prompts(records: Sequence[MathRecord], tokenizer: ChatTokenizer,
+                     max_prompt_length: int) -> tuple[int, int, int]:
+  """(distinct prompts longer than ``max_prompt_length`` tokens, distinct prompts, the longest
+  one's tokens): what a run would truncate, counted once per distinct prompt text."""
+  lengths = [len(render_full(p, tokenizer)) for p in sorted({r.prompt for r in records})]
+  return (sum(n > max_prompt_length for n in lengths), len(lengths), max(lengths, default=0))
 
 
 def left_pad(id_lists: Sequence[Sequence[int]], pad_id: int,

@@ -74,6 +74,7 @@ class DataSpec:
   on_malformed: str
   num_epochs: int
   max_prompt_length: int
+  truncate: str
   arithmetic: ArithmeticSpec
 
 

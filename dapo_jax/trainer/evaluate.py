@@ -62,7 +62,7 @@ class Evaluator:
     self.params = run_setup.sampling_params(spec.rollout, spec.eval, tokenizer, eval_mode=True)
     self.generator = generation.Generator(
         rollout, tokenizer, scorer, self.params, num_samples=spec.eval.num_samples,
-        max_prompt_length=spec.data.max_prompt_length)
+        max_prompt_length=spec.data.max_prompt_length, truncate=spec.data.truncate)
     # The number a run is judged by: summarize's avg@K, K = samples per problem (rows repeating
     # a problem, as the AIME file's 32 copies, each add eval.num_samples).
     k = (eval_metrics.samples_per_problem(map(problem_id, self.records), spec.eval.num_samples)

@@ -24,7 +24,7 @@ import numpy as np
 
 from dapo_jax.trainer import diagnostics
 from dapo_jax.infra import distributed
-from dapo_jax.data.pipeline import left_pad, render_prompt
+from dapo_jax.data.pipeline import fit_prompt, left_pad, render_full, render_prompt
 from dapo_jax.data.records import MathRecord
 from dapo_jax.rewards.batch import RewardBatch, RewardScorer, gather_rewards
 from dapo_jax.rollout.sampling import SamplingParams
@@ -37,10 +37,11 @@ RolloutFn = Callable[[Any, np.ndarray, np.ndarray, jax.Array, SamplingParams, in
 _ROLLOUT_FIELDS = ("response_ids", "response_mask", "logprobs", "lengths", "truncated")
 
 
-def render_batch(records: Sequence[MathRecord], tokenizer, max_prompt_length: int
+def render_batch(records: Sequence[MathRecord], tokenizer, max_prompt_length: int,
+                 truncate: str = "left"
                  ) -> tuple[np.ndarray, np.ndarray]:
   """Left-padded prompt ids at the fixed width ``max_prompt_length`` (no retrace per batch)."""
-  ids = [render_prompt(r, tokenizer, max_prompt_length) for r in records]
+  ids = [render_prompt(r, tokenizer, max_prompt_length, truncate) for r in records]
   return left_pad(ids, tokenizer.pad_id, length=max_prompt_length)
 
 
@@ -133,6 +134,7 @@ class Generator:
   num_samples: int
   max_prompt_length: int
   prompts_per_call: int = 0
+  truncate: str = "left"  # data.truncate: prompts over max_prompt_length (pipeline.fit_prompt)
   # (weights, *, params, num_samples, key) -> RolloutStream (``rollout.factory``); training only.
   open_stream: Callable[..., RolloutStream] | None = None
 
@@ -163,6 +165,7 @@ class ScoringStream:
     self._records: dict[int, MathRecord] = {}
     self._next = 0  # ``generate`` continues after the last index admitted
     self._newest = None  # `follow`
+    self.prompts_truncated = 0  # admitted prompts cut to max_prompt_length (data.truncate)
 
   def follow(self, newest, version: int) -> None:
     """Partial rollouts: the stream's weights are policy ``version``; before each poll,
@@ -172,8 +175,10 @@ class ScoringStream:
     self._newest = newest
 
   def admit(self, record: MathRecord, index: int) -> None:
-    self._stream.admit(render_prompt(record, self._gen.tokenizer, self._gen.max_prompt_length),
-                       index)
+    gen = self._gen
+    ids = render_full(record, gen.tokenizer)
+    self.prompts_truncated += len(ids) > gen.max_prompt_length
+    self._stream.admit(fit_prompt(ids, gen.max_prompt_length, gen.truncate), index)
     self._records[index] = record
     self._next = max(self._next, index + 1)
 
@@ -234,7 +239,8 @@ def generate_and_score(gen: Generator, weights, records: Sequence[MathRecord], k
   """
   records = list(records)
   padded = records + [records[-1]] * (pad_to - len(records))
-  prompt_ids, prompt_mask = render_batch(padded, gen.tokenizer, gen.max_prompt_length)
+  prompt_ids, prompt_mask = render_batch(padded, gen.tokenizer, gen.max_prompt_length,
+                                         gen.truncate)
   out = rollout_chunks(
       lambda ids, mask, k, n: gen.rollout(weights, ids, mask, k, gen.sampling, n),
       prompt_ids, prompt_mask, key, gen.num_samples, gen.prompts_per_call)

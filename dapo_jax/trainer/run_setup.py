@@ -21,7 +21,7 @@ from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
-from dapo_jax.data.pipeline import PromptIterator
+from dapo_jax.data.pipeline import PromptIterator, PromptTooLongError, overlong_prompts
 from dapo_jax.data.records import MathRecord
 from dapo_jax.trainer.dynamic_sampling import DynamicSampler
 from dapo_jax.trainer.skip_filter import SkipFilter
@@ -189,6 +189,24 @@ def engine_args(r: RolloutSpec, max_prompt_length: int) -> dict[str, Any]:
               max_concurrent_decodes=r.max_concurrent_decodes, **kv_cache_args(r))
 
 
+def check_prompt_lengths(d: DataSpec, records: Sequence[MathRecord], tokenizer) -> None:
+  """Warns once, at start-up, how many distinct training prompts ``data.max_prompt_length``
+  cuts (and how, ``data.truncate``); under "error" refuses the run before any work."""
+  over, distinct, longest = overlong_prompts(records, tokenizer, d.max_prompt_length)
+  if not over:
+    return
+  what = f"{over} of the {distinct} distinct training prompts"
+  if d.truncate == "error":
+    raise PromptTooLongError(
+        f"{what} render to more than data.max_prompt_length={d.max_prompt_length} tokens (the "
+        f"longest to {longest}). Raise data.max_prompt_length to {longest}, or set "
+        "data.truncate='left' (cut their start) or 'right'.")
+  _log.warning("%s render to more than data.max_prompt_length=%d tokens (the longest to %d); "
+               "data.truncate=%r cuts their %s. data.max_prompt_length=%d keeps them whole.",
+               what, d.max_prompt_length, longest, d.truncate,
+               "start" if d.truncate == "left" else "end", longest)
+
+
 def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str | None:
   """Why ``attention_impl="auto"`` runs the XLA einsums over the training rows of
   ``max_length`` tokens (``spec.sizes.max_length``: data.max_prompt_length +
@@ -323,6 +341,7 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   train_records = load_dataset(spec.data.train, spec.data, spec.seed, "train")
   eval_records = (load_dataset(spec.data.eval, spec.data, spec.seed, "eval") if spec.data.eval
                   else [])
+  check_prompt_lengths(spec.data, train_records, tokenizer)
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(spec.rollout_mesh or spec.mesh if rollout_devices else
@@ -359,7 +378,7 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   generator = Generator(rollout, tokenizer, scorer,
                         sampling_params(r, spec.eval, tokenizer),
                         num_samples=r.n, max_prompt_length=spec.data.max_prompt_length,
-                        prompts_per_call=r.prompts_per_call,
+                        prompts_per_call=r.prompts_per_call, truncate=spec.data.truncate,
                         open_stream=make_stream_opener(
                             r.engine, sampler_graphdef, rollout_mesh, rollout,
                             gen_batch_size=a.gen_batch_size,

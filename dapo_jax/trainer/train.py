@@ -296,6 +296,7 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
   diag = diagnostics.sampling_metrics(stream.log, groups,
                                       max_response_length=r.max_response_length,
                                       rows_per_decode=ppc * r.n)
+  diag["data/prompts_truncated"] = float(stream.prompts_truncated)  # data.truncate
   if spec.algorithm.max_staleness:
     diag["sampling/carried_dropped_stale"] = float(dropped)
   if prefilter is not None:
