@@ -40,6 +40,12 @@ def test_without_the_plugin_gpu_targets_are_analytic_and_say_how_to_compile(monk
   assert plan["fits"] and plan["train"]["peak"] > 0
   out = capsys.readouterr().out
   assert "analytic estimate" in out and "pip install -e '.[cuda]'" in out
+  # No roofline from XLA's cost analysis on GPU (it counts no cuBLAS/cuDNN/Triton call):
+  # the update at peak from the analytic FLOPs, a floor.
+  floor = plan["gpu_compute_floor"]
+  assert floor["update_seconds"] == pytest.approx(
+      plan["flops_analytic"]["train"] / (8 * 989e12))
+  assert "estimate" not in plan and "compute floor" in out
 
 
 def test_cuda_env_is_set_before_the_plugin_starts_and_never_over_the_users(monkeypatch):

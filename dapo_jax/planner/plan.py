@@ -119,8 +119,8 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
   programs the step-time estimate needs (old-log-prob forward, the static sampler's prefill
   and decode step, the continuous engine) and adds ``plan["estimate"]``.
   """
-  if estimate is None:
-    estimate = target.chip is not None
+  if estimate is None:  # GPU: XLA's cost analysis of a GPU program is empty (`GPU_COST_NOTE`)
+    estimate = target.chip is not None and target.kind != "gpu"
   mcfg = plan_model_config(spec.model, spec.tokenizer)
   plan: dict[str, Any] = {
       "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
@@ -194,6 +194,8 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
         spec, mcfg, target.num_devices, splash=plan["attention"] == "splash",
         logit_chunk_size=spec.train_config().logit_chunk_size)
     plan["estimate"] = est.step_estimate(spec, plan, target.chip)
+  if target.kind == "gpu" and target.chip is not None:
+    plan["gpu_compute_floor"] = gpu_compute_floor(plan, target)
   if target.chip is not None and target.hbm_bytes is not None:  # closed form: any such target
     resident = plan["train"]["state_bytes"] + (  # LoRA: merged kernels (+ a base copy)
         sum(plan["lora_rollout"].values()) if "lora_rollout" in plan
@@ -204,6 +206,24 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
     # The overlapped step (k = 1) on every split, next to the serial one (docs/overlap.md).
     plan["overlap_estimate"] = plan_overlap.for_plan(spec, mcfg, plan, target)
   return plan
+
+
+# Checked with the CUDA plugin (jax 0.10.2): `cost_analysis()` of a compile-only GPU program
+# reports no FLOPs and no bytes (its matmuls are cuBLAS calls, its attention cuDNN or Triton
+# calls, all custom calls to the analysis), so the compiled roofline of TPU targets cannot be
+# made; GPU plans give the analytic compute floor and the paged closed form instead.
+GPU_COST_NOTE = ("no compiled step-time estimate on GPU: XLA's cost analysis of a GPU program "
+                 "counts nothing (matmuls and attention are cuBLAS, cuDNN and Triton calls)")
+
+
+def gpu_compute_floor(plan: dict[str, Any], target: Target) -> dict[str, Any]:
+  """The update's and old-log-prob forward's time at peak bf16 FLOP/s from the analytic FLOPs
+  (a floor: no memory, communication or kernel efficiency), per RL step."""
+  f, chip = plan["flops_analytic"], target.chip
+  per_s = chip.flops_per_s * target.num_devices
+  return {"note": GPU_COST_NOTE, "source": chip.source, "flops_per_s": chip.flops_per_s,
+          "update_seconds": f["train"] / per_s, "old_logprob_seconds": f["logprob"] / per_s,
+          "rollout_compute_seconds": f["rollout"] / per_s}
 
 
 def _define(fv) -> None:

@@ -77,6 +77,15 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  compile time: train step {t['compile_seconds']:.0f} s, rollout "
                  f"{r['compile_seconds']:.0f} s{extra}")
   lines += format_estimate(plan)
+  if "gpu_compute_floor" in plan:
+    fl = plan["gpu_compute_floor"]
+    lines += [f"  {fl['note']}.",
+              f"  compute floor (analytic FLOPs at {fl['flops_per_s'] / 1e12:.0f} TFLOP/s per "
+              f"GPU, {fl['source']}; no memory or communication time): updates "
+              f"{_seconds(fl['update_seconds']).strip()}, old log-probs "
+              f"{_seconds(fl['old_logprob_seconds']).strip()}, rollout FLOPs "
+              f"{_seconds(fl['rollout_compute_seconds']).strip()} (decode is memory-bound: "
+              "the paged closed form below)"]
   if "paged_estimate" in plan:
     cont = plan.get("estimate", {}).get("phases", {}).get("rollout_continuous", {})
     lines += plan_paged.format_lines(plan["paged_estimate"], cont.get("seconds"))
