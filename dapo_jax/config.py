@@ -300,6 +300,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     raise ConfigError(f"config.{field}={value!r}: {why}")
 
   _check_keys(c)
+  if isinstance(c.num_steps, bool) or c.num_steps < 1:
+    bad("num_steps", c.num_steps, "must be >= 1 (the rollout steps the run trains, in all)")
 
   _check_model(c.model, bad)
   if c.rollout.engine not in ROLLOUT_ENGINES:
@@ -494,6 +496,18 @@ def _check_mesh(field: str, axes, bad) -> None:
   sizes = [s for _, s in pairs]
   if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
     bad(field, axes, "sizes must be positive, with at most one -1 (the remaining devices)")
+
+
+def check_mesh(field: str, axes, num_devices: int) -> None:
+  """``config.<field>`` (``mesh``, ``rollout_mesh``) laid over ``num_devices``, one device
+  included: dapo-train's checks of it, for the commands that read a saved run's config without
+  validating it again (dapo-eval, dapo-serve, dapo-export)."""
+
+  def bad(field, value, why):
+    raise ConfigError(f"config.{field}={value!r}: {why}")
+
+  _check_mesh(field, axes, bad)
+  batch_rules.batch_shards(axes, num_devices, field, bad)
 
 
 def _check_dcn(c: ml_collections.ConfigDict, bad) -> None:
