@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 checkpoints written by ``transformers`` (the reference implementation)."""
+"""Tiny random Qwen2 / Qwen3 checkpoints written by ``transformers`` (the reference)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,21 @@ TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_
                rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
-def write_tiny_qwen2(out_dir: str, *, tie: bool = False, seed: int = 0, **overrides) -> str:
-  """Saves a random ``Qwen2ForCausalLM`` (biases and norm scales randomised too)."""
+def write_tiny_qwen2(out_dir: str, *, tie: bool = False, seed: int = 0, family: str = "qwen2",
+                     **overrides) -> str:
+  """Saves a random ``Qwen2ForCausalLM`` (``family="qwen3"``: ``Qwen3ForCausalLM``, QK-norm
+  scales randomised too; pass ``head_dim`` for one other than hidden / heads); biases and
+  norm scales randomised too."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
   torch.manual_seed(seed)
-  cfg = transformers.Qwen2Config(**{**TINY_HF, **overrides}, tie_word_embeddings=tie,
-                                 attn_implementation="eager")
-  model = transformers.Qwen2ForCausalLM(cfg).eval()
+  config_cls, model_cls = {
+      "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+      "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+  cfg = config_cls(**{**TINY_HF, **overrides}, tie_word_embeddings=tie,
+                   attn_implementation="eager")
+  model = model_cls(cfg).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("bias"):
@@ -39,7 +45,8 @@ def hf_logits(ckpt_dir: str, input_ids: np.ndarray, attention_mask: np.ndarray |
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  model = transformers.Qwen2ForCausalLM.from_pretrained(
+  # Auto: the class config.json names (a Qwen3 directory read as Qwen2 would drop its q/k norms).
+  model = transformers.AutoModelForCausalLM.from_pretrained(
       ckpt_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
   kwargs = {}
   if attention_mask is not None:

@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen2.5 decoder in Flax NNX: a full-sequence forward and ONE cached decode step.
+"""Qwen2 / Qwen2.5 / Qwen3 (dense) decoder in Flax NNX: a full-sequence forward and ONE cached
+decode step. Qwen3's differences are config fields (`Qwen2Config.qk_norm`, `attention_bias`,
+`head_dim`), not a second model.
 
     h_BxPxD, cache = model.prefill(ids_BxP, positions_BxP, mask_BxP)   # writes a KVCache
     logits_NxV, cache = model.decode_step(tokens_N, positions_N, cache) # one token per row
@@ -43,10 +45,11 @@ LAYERS_AXIS = "layers"  # logical name of the stacked layer axis (config.scan_la
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm computed in fp32, scaled in the input dtype (as Qwen2RMSNorm does)."""
+  """RMSNorm over the last axis computed in fp32, scaled in the input dtype (as Qwen2RMSNorm
+  does). `axis`: the scale's logical axis ("head_dim" for Qwen3's per-head q_norm / k_norm)."""
 
-  def __init__(self, dim: int, eps: float, param_dtype: Any):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+  def __init__(self, dim: int, eps: float, param_dtype: Any, axis: str = "norm"):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
     self.eps = eps
 
   @scoped("norm")
@@ -106,30 +109,32 @@ def apply_rope(x_BxTxHxE: jax.Array, positions_BxT: jax.Array, theta: float) -> 
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with q/k/v bias and no output bias."""
+  """Grouped-query attention, no output bias; q/k/v bias (`cfg.attention_bias`) and Qwen3's
+  per-head RMSNorm on q and k before RoPE (`cfg.qk_norm`)."""
 
   def __init__(self, cfg: Qwen2Config, rngs: nnx.Rngs):
     d, h, k, e = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                   cfg.dim_per_head)
-    pd = cfg.jnp_param_dtype
-    self.q_proj = Dense((d,), (h, e), ("embed", "heads", "head_dim"), use_bias=True,
+    pd, bias = cfg.jnp_param_dtype, cfg.attention_bias
+    self.q_proj = Dense((d,), (h, e), ("embed", "heads", "head_dim"), use_bias=bias,
                         param_dtype=pd, rngs=rngs)
-    self.k_proj = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), use_bias=True,
+    self.k_proj = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), use_bias=bias,
                         param_dtype=pd, rngs=rngs)
-    self.v_proj = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), use_bias=True,
+    self.v_proj = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), use_bias=bias,
                         param_dtype=pd, rngs=rngs)
     self.o_proj = Dense((h, e), (d,), ("heads", "head_dim", "embed"), use_bias=False,
                         param_dtype=pd, rngs=rngs)
+    # One [E] scale shared by every head: logical axis "head_dim" (replicated by every rules
+    # table, as the head_dim axis of the kernels is).
+    norm = lambda: RMSNorm(e, cfg.rms_norm_eps, pd, axis="head_dim") if cfg.qk_norm else None
+    self.q_norm, self.k_norm = norm(), norm()
     self.rope_theta = cfg.rope_theta
     self.impl = cfg.attention_impl
 
   def __call__(self, x_BxTxD, positions_BxT, mask: attention.Mask, with_kv: bool = False):
     """Output [B, T, D], and this pass's keys and values [B, T, K, E] when `with_kv`."""
     dtype = x_BxTxD.dtype
-    q = apply_rope(self.q_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
-    k = apply_rope(self.k_proj(x_BxTxD, dtype), positions_BxT, self.rope_theta)
-    v = self.v_proj(x_BxTxD, dtype)
-    q = constrain(q, ("batch", "length", "act_heads", None))
+    q, k, v = self._qkv(x_BxTxD, positions_BxT)
     out_BxTxHxE = attention.dot_product_attention(q, k, v, mask, impl=self.impl)
     out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
     return self.o_proj(out_BxTxHxE, dtype), ((k, v) if with_kv else None)
@@ -143,7 +148,7 @@ class Attention(nnx.Module):
     cache ([L, ...]) and this is its layer `layer`. With `attend`, only the first `attend`
     slots are attended to (the later ones must be invalid)."""
     dtype = x_Nx1xD.dtype
-    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._one_token_qkv(x_Nx1xD, positions_Nx1)
+    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._qkv(x_Nx1xD, positions_Nx1)
     k_NxKxExS, v_NxKxSxE = kv_cache.write_step(k_NxKxExS, v_NxKxSxE, kn_Nx1xKxE[:, 0],
                                                vn_Nx1xKxE[:, 0], slot, layer)
     k_l, v_l = (k_NxKxExS, v_NxKxSxE) if layer is None else (k_NxKxExS[layer], v_NxKxSxE[layer])
@@ -152,18 +157,23 @@ class Attention(nnx.Module):
     o_NxHxE = attention.decode_attention(q_Nx1xHxE[:, 0], k_l, v_l, valid_NxS)
     return self.o_proj(o_NxHxE[:, None], dtype), (k_NxKxExS, v_NxKxSxE)
 
-  def _one_token_qkv(self, x_Nx1xD, positions_Nx1):
-    dtype = x_Nx1xD.dtype
-    q_Nx1xHxE = apply_rope(self.q_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
-    q_Nx1xHxE = constrain(q_Nx1xHxE, ("batch", "length", "act_heads", None))
-    kn_Nx1xKxE = apply_rope(self.k_proj(x_Nx1xD, dtype), positions_Nx1, self.rope_theta)
-    return q_Nx1xHxE, kn_Nx1xKxE, self.v_proj(x_Nx1xD, dtype)
+  def _qkv(self, x_BxTxD, positions_BxT):
+    """Queries [B, T, H, E] and keys [B, T, K, E] (normed when `qk_norm`, then rotated) and
+    values [B, T, K, E]: the one projection the full pass and both decode steps share."""
+    dtype = x_BxTxD.dtype
+    q_BxTxHxE, k_BxTxKxE = self.q_proj(x_BxTxD, dtype), self.k_proj(x_BxTxD, dtype)
+    if self.q_norm is not None:  # Qwen3: RMSNorm over head_dim, before RoPE
+      q_BxTxHxE, k_BxTxKxE = self.q_norm(q_BxTxHxE), self.k_norm(k_BxTxKxE)
+    q_BxTxHxE = apply_rope(q_BxTxHxE, positions_BxT, self.rope_theta)
+    q_BxTxHxE = constrain(q_BxTxHxE, ("batch", "length", "act_heads", None))
+    k_BxTxKxE = apply_rope(k_BxTxKxE, positions_BxT, self.rope_theta)
+    return q_BxTxHxE, k_BxTxKxE, self.v_proj(x_BxTxD, dtype)
 
   def decode_paged(self, x_Nx1xD, positions_Nx1, k_pool, v_pool, cache: PagedKVCache,
                    app: paged_kv.Append, layer=None, impl: str = "auto"):
     """`decode` over a paged cache: the token goes to `app`'s (page, offset), attention reads
     each slot's live pages (its length after this token). `layer`: stacked pools."""
-    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._one_token_qkv(x_Nx1xD, positions_Nx1)
+    q_Nx1xHxE, kn_Nx1xKxE, vn_Nx1xKxE = self._qkv(x_Nx1xD, positions_Nx1)
     n, s = q_Nx1xHxE.shape[0], cache.shards
     # A sharded pool ([S, ...] per layer, `PagedKVCache`): each shard writes and reads its own
     # slots' pages, the [N] rows split [S, N/S].
@@ -298,7 +308,7 @@ def default_positions(attention_mask_BxT: jax.Array) -> jax.Array:
 
 
 class Qwen2ForCausalLM(nnx.Module):
-  """Qwen2.5 causal LM: ``model(input_ids) -> logits [B, T, V]``."""
+  """Qwen2.5 / Qwen3 causal LM: ``model(input_ids) -> logits [B, T, V]``."""
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
     self.config = config

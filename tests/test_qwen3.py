@@ -1,0 +1,163 @@
+"""Qwen3 (dense) through the one decoder: logits, the decode steps, the samplers' log-probs, the
+HF export and the peft adapter against ``transformers``' ``Qwen3ForCausalLM`` on tiny random
+checkpoints with QK-norm, GQA (4 heads, 2 kv heads), no q/k/v bias and a head_dim other than
+hidden / heads (64 / 4 = 16): 24 untied, 32 tied (the 0.6B's 2x)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import dapo_jax  # pylint: disable=g-import-not-at-top
+from dapo_jax.checkpoints import hf as hf_io  # pylint: disable=g-import-not-at-top
+from dapo_jax.models import Qwen2Config, default_positions  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout import Sampler, SamplingParams  # pylint: disable=g-import-not-at-top
+from dapo_jax.rollout import continuous  # pylint: disable=g-import-not-at-top
+from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+
+TOL = 1e-5  # fp32, the issue's goal (measured: a few 1e-7)
+HEAD_DIM = {False: 24, True: 32}
+
+
+_WRITTEN: dict[bool, str] = {}
+
+
+def _checkpoint(tmp_path_factory, tie: bool) -> str:
+  """Each checkpoint written once per session (the fixtures below share them)."""
+  if tie not in _WRITTEN:
+    d = str(tmp_path_factory.mktemp("qwen3") / ("tied" if tie else "untied"))
+    _WRITTEN[tie] = hf_fixtures.write_tiny_qwen2(d, tie=tie, seed=10 + int(tie), family="qwen3",
+                                                 head_dim=HEAD_DIM[tie], rope_theta=1e6)
+  return _WRITTEN[tie]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def ckpt(request, tmp_path_factory):
+  return _checkpoint(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+  return _checkpoint(tmp_path_factory, False)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+  return _checkpoint(tmp_path_factory, True)
+
+
+def _ids(b, t, seed=0):
+  return np.random.RandomState(seed).randint(0, 128, (b, t)).astype(np.int32)
+
+
+def _left_padded(seed=1):
+  ids = _ids(3, 12, seed)
+  mask = np.ones_like(ids)
+  mask[0, :5], mask[1, :2] = 0, 0
+  return np.where(mask == 1, ids, 0), mask
+
+
+def test_config_json_reads_as_qwen3(ckpt):
+  cfg = Qwen2Config.from_hf(ckpt)
+  tie = os.path.basename(ckpt) == "tied"
+  assert (cfg.qk_norm, cfg.attention_bias, cfg.dim_per_head, cfg.tie_word_embeddings,
+          cfg.rope_theta) == (True, False, HEAD_DIM[tie], tie, 1e6)
+  model = dapo_jax.load_pretrained(ckpt)
+  attn = model.layers[0].self_attn
+  assert attn.q_proj.bias is None and attn.q_norm.scale.value.shape == (HEAD_DIM[tie],)
+  assert attn.q_norm.scale.get_metadata()["logical_axes"] == ("head_dim",)
+  n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert n == cfg.num_params()
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_logits_match_transformers(ckpt, scan):
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=scan)
+  ids, mask = _left_padded()
+  ours = np.asarray(model(jnp.asarray(ids), attention_mask_BxT=jnp.asarray(mask)))
+  pos = np.asarray(default_positions(jnp.asarray(mask)))
+  ref = hf_fixtures.hf_logits(ckpt, ids, attention_mask=mask, positions=pos)
+  real = mask.astype(bool)
+  diff = np.abs(ours[real] - ref[real]).max()
+  print(f"qwen3 {os.path.basename(ckpt)} {'scan' if scan else 'loop'}: max |logit diff| {diff:.2e}")
+  assert diff <= TOL
+
+
+def test_prefill_then_decode_step_matches_transformers(untied):
+  ckpt = untied
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=True)
+  ids, mask = _left_padded(seed=2)
+  pos = np.asarray(default_positions(jnp.asarray(mask)))
+  ref = hf_fixtures.hf_logits(ckpt, ids, attention_mask=mask, positions=pos)
+  p = 6
+  h, cache = model.prefill(jnp.asarray(ids[:, :p]), jnp.asarray(pos[:, :p]),
+                           jnp.asarray(mask[:, :p]))
+  cache = cache.grow(ids.shape[1] - p)
+  step = jax.jit(lambda m, c, tok, ps: m.decode_step(tok, ps, c, same_slot=True))
+  got = [np.asarray(model.logits_from_hidden(h))]
+  for t in range(p, ids.shape[1]):
+    logits_NxV, cache = step(model, cache, jnp.asarray(ids[:, t]), jnp.asarray(pos[:, t]))
+    got.append(np.asarray(logits_NxV)[:, None])
+  got = np.concatenate(got, axis=1)
+  real = mask.astype(bool)
+  assert np.abs(got[real] - ref[real]).max() <= TOL
+
+
+def _hf_response_logprobs(ckpt, prompt_ids, prompt_mask, response_ids, temperature):
+  """log softmax(logits / temperature) of the HF forward at each sampled token."""
+  ids = np.concatenate([prompt_ids, response_ids], axis=1)
+  mask = np.concatenate([prompt_mask, np.ones_like(response_ids)], axis=1).astype(np.int32)
+  pos = np.asarray(default_positions(jnp.asarray(mask)))
+  logits = hf_fixtures.hf_logits(ckpt, np.where(mask == 1, ids, 0), attention_mask=mask,
+                                 positions=pos)
+  p = prompt_ids.shape[1]
+  logp = jax.nn.log_softmax(jnp.asarray(logits[:, p - 1:-1]) / temperature, axis=-1)
+  return np.asarray(jnp.take_along_axis(logp, jnp.asarray(response_ids)[..., None], -1)[..., 0])
+
+
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_sampler_logprobs_are_the_hf_forwards(untied, tied, engine):
+  """The sampled tokens' log-probs (rollout.use_sampler_logprobs) equal the HF forward's, from
+  the static sampler (untied) and from the continuous engine over a paged cache (tied)."""
+  ckpt = tied if engine == "paged" else untied
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=engine == "paged")
+  graphdef, state = nnx.split(model)
+  ids, mask = _left_padded(seed=3)
+  params = SamplingParams(temperature=0.8, max_new_tokens=8, eos_ids=(), pad_id=0)
+  if engine == "static":
+    out = Sampler(graphdef).generate(state, ids, mask.astype(bool), jax.random.key(1), params,
+                                     num_samples=2)
+  else:
+    sampler = continuous.ContinuousSampler(graphdef, num_slots=4, chunk_steps=4,
+                                           max_prefill_length=16, kv_cache="paged", page_size=4,
+                                           attention_impl="xla")
+    out = sampler.generate(state, ids, mask.astype(bool), jax.random.key(1), params,
+                           num_samples=2)
+  out = jax.device_get(out)
+  ref = _hf_response_logprobs(ckpt, np.asarray(out.prompt_ids),
+                              np.asarray(out.prompt_mask).astype(np.int32),
+                              np.asarray(out.response_ids), 0.8)
+  m = np.asarray(out.response_mask)
+  assert m.all()
+  np.testing.assert_allclose(np.asarray(out.logprobs)[m], ref[m], atol=2e-5, rtol=0)
+
+
+def test_export_round_trips_as_qwen3(tied, tmp_path):
+  """Tied: no lm_head tensor written, transformers ties it back."""
+  ckpt = tied
+  model = dapo_jax.load_pretrained(ckpt, scan_layers=True)
+  out = hf_io.save_pretrained(model, tmp_path / "export", max_shard_bytes=20_000)
+  written = json.load(open(os.path.join(out, "config.json")))
+  assert (written["architectures"], written["model_type"], written["attention_bias"]) == (
+      ["Qwen3ForCausalLM"], "qwen3", False)
+  ids = _ids(2, 9, seed=4)
+  ref = hf_fixtures.hf_logits(ckpt, ids)
+  assert np.abs(hf_fixtures.hf_logits(out, ids) - ref).max() <= TOL
+  assert np.abs(np.asarray(dapo_jax.load_pretrained(out)(jnp.asarray(ids))) - ref).max() <= TOL
