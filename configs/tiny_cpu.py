@@ -13,6 +13,13 @@ Table 1: `configs/tiny_cpu.py:naive_grpo`, `:no_dynamic_sampling`, `:no_token_me
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
         .venv/bin/dapo-train --config configs/tiny_cpu.py:overlap --workdir workdirs/overlap
+
+`:multi_epoch` trains on 256 problems instead of 5000, so each comes back every ~3 steps (~50
+times in 160 steps), as DAPO-Math-17k's ~100 copies of each problem do; add
+`--config.algorithm.skip_filter=True` to skip prompts from their own history (docs/skip_filter.md):
+
+    JAX_PLATFORMS=cpu .venv/bin/dapo-train --config configs/tiny_cpu.py:multi_epoch \
+        --config.algorithm.skip_filter=True --workdir workdirs/multi_epoch_skip
 """
 
 from dapo_jax.config import default_config
@@ -81,6 +88,8 @@ def get_config(arg: str | None = None):
     c.rollout_devices = 1
     c.algorithm.max_staleness = 1
     c.algorithm.rollout_is = "token_truncated"
+  elif variant == "multi_epoch":  # few problems, seen many times (the skip filter's setting)
+    c.data.arithmetic.num_train = 256
   elif variant != "dapo":
     raise ValueError(f"Unknown tiny_cpu variant {variant!r}.")
   return c
