@@ -14,12 +14,15 @@ pytest.importorskip("transformers")
 from tests import hf_fixtures  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-@pytest.mark.parametrize("scan", [True])
-def test_peft_adapter_loads_onto_the_hf_base_with_our_logits(tmp_path, scan):
+@pytest.mark.parametrize("scan,family", [(True, "qwen2"), (True, "qwen3")])
+def test_peft_adapter_loads_onto_the_hf_base_with_our_logits(tmp_path, scan, family):
+  """Qwen3 (QK-norm, no q/k/v bias, head_dim 24 != 64 / 4) has Qwen2's module names, so the
+  same target_modules land on Qwen3ForCausalLM's projections."""
   peft = pytest.importorskip("peft")
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  base = hf_fixtures.write_tiny_qwen2(str(tmp_path / "base"), seed=4)
+  extra = {"head_dim": 24} if family == "qwen3" else {}
+  base = hf_fixtures.write_tiny_qwen2(str(tmp_path / "base"), seed=4, family=family, **extra)
   model = load_pretrained(base, dtype="float32", scan_layers=scan)
   lcfg = lora.LoRAConfig(rank=3, alpha=6.0, targets=("q", "o", "down", "*.mlp.gate_proj"))
   lora.add_adapters(model, lcfg, seed=2)
@@ -32,8 +35,9 @@ def test_peft_adapter_loads_onto_the_hf_base_with_our_logits(tmp_path, scan):
   out = str(tmp_path / "adapter")
   cfg = peft_adapter.save_peft_adapter(adapters, lcfg, out, base_model=base)
   assert cfg["target_modules"] == ["down_proj", "gate_proj", "o_proj", "q_proj"]
-  hf = transformers.Qwen2ForCausalLM.from_pretrained(base, torch_dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32,
+                                                         attn_implementation="eager").eval()
+  assert type(hf).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
   plain = hf(torch.tensor(ids)).logits.detach().numpy()
   with_adapter = peft.PeftModel.from_pretrained(hf, out).eval()
   with torch.no_grad():

@@ -20,6 +20,9 @@ def _count(cfg):
     ("qwen2.5-7b", 7.62e9, 0.01e9),
     ("qwen2.5-72b", 72.7e9, 0.1e9),
     ("qwen2.5-math-1.5b", 1.54e9, 0.01e9),
+    # Qwen3 model cards: 0.6B (0.44B non-embedding; head_dim 128, not 1024 / 16), 8.2B (6.95B).
+    ("qwen3-0.6b", 0.596e9, 0.001e9),
+    ("qwen3-8b", 8.19e9, 0.01e9),
 ])
 def test_abstract_parameter_counts(name, expected, tol):
   cfg = get_preset(name)

@@ -184,7 +184,8 @@ def read_hf_config(path: epath.PathLike) -> dict[str, Any]:
 
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mesh | None = None,
                     rules: shd.Rules = shd.TRAIN_RULES, **config_overrides) -> Qwen2ForCausalLM:
-  """Loads a HF Qwen2 / Qwen2.5 checkpoint directory as a ``Qwen2ForCausalLM``.
+  """Loads a HF Qwen2 / Qwen2.5 / Qwen3 (dense) checkpoint directory as a ``Qwen2ForCausalLM``
+  (Qwen3's ``q_norm`` / ``k_norm`` weights are the attention's norm scales; `hf_name`).
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or sharded files plus
@@ -247,8 +248,8 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, mesh: Mes
   unused = set(reader.weight_map) - names
   unused = {n for n in unused if "rotary_emb" not in n and n != "lm_head.weight"}
   if unused:
-    _log.warning("Ignored %d checkpoint tensors not used by Qwen2ForCausalLM: %s", len(unused),
-                 sorted(unused)[:8])
+    _log.warning("Ignored %d checkpoint tensors not used by the %s decoder: %s", len(unused),
+                 config.model_type, sorted(unused)[:8])
   return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
