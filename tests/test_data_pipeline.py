@@ -217,14 +217,13 @@ def test_start_up_warns_of_truncated_prompts_and_refuses_under_error(caplog):
   from dapo_jax.spec.run_spec import read_section  # pylint: disable=g-import-not-at-top
   from dapo_jax.config import default_config  # pylint: disable=g-import-not-at-top
   from dapo_jax.tokenizers import char_tokenizer  # pylint: disable=g-import-not-at-top
-  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
   tok = char_tokenizer.CharTokenizer()
   records = [MathRecord(prompt="1+2+3=", ground_truth="6", data_source="t", index=0)]
   c = default_config()
   c.data.max_prompt_length = len(pipeline.render_full(records[0], tok)) - 1
-  run_setup.check_prompt_lengths(read_section(c, "data"), records, tok)
+  d = read_section(c, "data")
+  pipeline.check_prompt_lengths(records, tok, d.max_prompt_length, d.truncate)
   assert "1 of the 1 distinct training prompts" in caplog.text
   assert f"data.max_prompt_length={c.data.max_prompt_length + 1} keeps them whole" in caplog.text
-  c.data.truncate = "error"
   with pytest.raises(pipeline.PromptTooLongError, match="Raise data.max_prompt_length"):
-    run_setup.check_prompt_lengths(read_section(c, "data"), records, tok)
+    pipeline.check_prompt_lengths(records, tok, d.max_prompt_length, "error")

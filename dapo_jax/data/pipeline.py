@@ -6,6 +6,7 @@ arrays itself.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -13,6 +14,8 @@ import numpy as np
 
 from dapo_jax.data.records import MathRecord
 from dapo_jax.infra import distributed
+
+_log = logging.getLogger(__name__)
 
 
 class ChatTokenizer(Protocol):
@@ -245,3 +248,23 @@ def global_batches(local_batches: Iterator[Sequence[MathRecord]]) -> Iterator[li
   (the same list on every process), one gather per batch actually drawn."""
   for records in local_batches:
     yield gather_records(records)
+
+
+def check_prompt_lengths(records: Sequence[MathRecord], tokenizer: ChatTokenizer,
+                         max_prompt_length: int, truncate: str) -> None:
+  """Warns once, at start-up, how many distinct training prompts ``max_prompt_length``
+  (``data.max_prompt_length``) cuts, and how (``data.truncate``); under "error" refuses the
+  run before any work."""
+  over, distinct, longest = overlong_prompts(records, tokenizer, max_prompt_length)
+  if not over:
+    return
+  what = f"{over} of the {distinct} distinct training prompts"
+  if truncate == "error":
+    raise PromptTooLongError(
+        f"{what} render to more than data.max_prompt_length={max_prompt_length} tokens (the "
+        f"longest to {longest}). Raise data.max_prompt_length to {longest}, or set "
+        "data.truncate='left' (cut their start) or 'right'.")
+  _log.warning("%s render to more than data.max_prompt_length=%d tokens (the longest to %d); "
+               "data.truncate=%r cuts their %s. data.max_prompt_length=%d keeps them whole.",
+               what, max_prompt_length, longest, truncate,
+               "start" if truncate == "left" else "end", longest)

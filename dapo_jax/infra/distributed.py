@@ -242,3 +242,16 @@ def assert_same_on_all_processes(values: np.ndarray, what: str) -> None:
   multihost_utils.assert_equal(np.asarray(values),
                                f"{what} differs between processes; every process must "
                                "take the same host-side decision.")
+
+
+def split_devices(rollout_devices: int) -> tuple[list | None, list | None]:
+  """(training devices, rollout devices) for ``rollout_devices`` (``config.rollout_devices``):
+  the last N devices roll out and the others train; (None, None) when N is 0 (every device
+  does both)."""
+  if not rollout_devices:
+    return None, None
+  devices = jax.devices()
+  if rollout_devices >= len(devices):
+    raise ValueError(f"rollout_devices={rollout_devices} leaves none of the {len(devices)} "
+                     "devices to train on.")
+  return devices[:-rollout_devices], devices[-rollout_devices:]

@@ -15,13 +15,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dapo_jax.infra import distributed
 from dapo_jax.infra import run_files
 from dapo_jax.infra import sharding as shd
 from dapo_jax.checkpoints.hf import load_pretrained, read_hf_config
 from dapo_jax.checkpoints.orbax import TrainCheckpointer
 from dapo_jax.data import arithmetic
 from dapo_jax.data.loaders import load_records
-from dapo_jax.data.pipeline import PromptIterator, PromptTooLongError, overlong_prompts
+from dapo_jax.data.pipeline import PromptIterator, check_prompt_lengths
 from dapo_jax.data.records import MathRecord
 from dapo_jax.trainer.dynamic_sampling import DynamicSampler
 from dapo_jax.trainer.skip_filter import SkipFilter
@@ -43,19 +44,6 @@ _log = logging.getLogger(__name__)
 TFDS_NAMES = ("dapo_math_17k", "aime_2024")
 
 
-def split_devices(rollout_devices: int) -> tuple[list | None, list | None]:
-  """(training devices, rollout devices) for ``rollout_devices`` (``spec.rollout_devices``):
-  the last N devices roll out and the others train; (None, None) when N is 0 (every device
-  does both)."""
-  if not rollout_devices:
-    return None, None
-  devices = jax.devices()
-  if rollout_devices >= len(devices):
-    raise ValueError(f"rollout_devices={rollout_devices} leaves none of the {len(devices)} "
-                     "devices to train on.")
-  return devices[:-rollout_devices], devices[-rollout_devices:]
-
-
 def build_mesh(axes: MeshAxes, dcn_mesh: str = "", devices: Sequence[Any] | None = None
                ) -> Mesh | None:
   """The training mesh (``spec.mesh``, ``spec.dcn_mesh``) over ``devices`` (default: all);
@@ -68,7 +56,7 @@ def build_mesh(axes: MeshAxes, dcn_mesh: str = "", devices: Sequence[Any] | None
 def build_rollout_mesh(axes: MeshAxes, dcn_mesh: str, train_mesh: Mesh | None,
                        devices: Sequence[Any] | None = None) -> Mesh | None:
   """The rollout mesh: ``axes`` (``spec.rollout_mesh``) over the same devices, else (empty) the
-  training mesh; with ``devices`` (`split_devices`), ``axes`` over those devices alone.
+  training mesh; with ``devices`` (`distributed.split_devices`), ``axes`` over those devices alone.
 
   Parameters move between the two layouts once per training step (``rollout.weights``;
   ``sharding.reshard_cost`` gives the peak memory of that move).
@@ -187,24 +175,6 @@ def engine_args(r: RolloutSpec, max_prompt_length: int) -> dict[str, Any]:
   (``data.max_prompt_length``)."""
   return dict(max_prompt_length=max_prompt_length,
               max_concurrent_decodes=r.max_concurrent_decodes, **kv_cache_args(r))
-
-
-def check_prompt_lengths(d: DataSpec, records: Sequence[MathRecord], tokenizer) -> None:
-  """Warns once, at start-up, how many distinct training prompts ``data.max_prompt_length``
-  cuts (and how, ``data.truncate``); under "error" refuses the run before any work."""
-  over, distinct, longest = overlong_prompts(records, tokenizer, d.max_prompt_length)
-  if not over:
-    return
-  what = f"{over} of the {distinct} distinct training prompts"
-  if d.truncate == "error":
-    raise PromptTooLongError(
-        f"{what} render to more than data.max_prompt_length={d.max_prompt_length} tokens (the "
-        f"longest to {longest}). Raise data.max_prompt_length to {longest}, or set "
-        "data.truncate='left' (cut their start) or 'right'.")
-  _log.warning("%s render to more than data.max_prompt_length=%d tokens (the longest to %d); "
-               "data.truncate=%r cuts their %s. data.max_prompt_length=%d keeps them whole.",
-               what, d.max_prompt_length, longest, d.truncate,
-               "start" if d.truncate == "left" else "end", longest)
 
 
 def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str | None:
@@ -330,7 +300,7 @@ class Run:
 def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   """Model, data, rollout, compiled steps, checkpointer and verifier of a run of ``spec`` in
   ``workdir``, and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
-  train_devices, rollout_devices = split_devices(spec.rollout_devices)
+  train_devices, rollout_devices = distributed.split_devices(spec.rollout_devices)
   mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
@@ -341,7 +311,7 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   train_records = load_dataset(spec.data.train, spec.data, spec.seed, "train")
   eval_records = (load_dataset(spec.data.eval, spec.data, spec.seed, "eval") if spec.data.eval
                   else [])
-  check_prompt_lengths(spec.data, train_records, tokenizer)
+  check_prompt_lengths(train_records, tokenizer, spec.data.max_prompt_length, spec.data.truncate)
   sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(spec.rollout_mesh or spec.mesh if rollout_devices else
