@@ -12,6 +12,8 @@ TAIL_CHARS = 300
 # Spec 2.2: the LAST match of this pattern is the model's answer.
 ANSWER_PATTERN = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 INVALID_PRED = "[INVALID]"
+# Qwen3's thinking block (and any model that writes one): the answer is read after it.
+THINK_START, THINK_END = "<think>", "</think>"
 
 # Spec 2.4, applied with str.replace in this order.
 SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
@@ -74,9 +76,22 @@ def normalize_final_answer(final_answer: str) -> str:
   return final_answer.strip()
 
 
+def answer_region(solution_str: str) -> str:
+  """The text an answer is read from: after the last `</think>` of a thinking block (Qwen3's
+  format), "" while a `<think>` is still open (a response cut off mid-thought has no answer),
+  else the whole response. Without the tags this is verl's math_dapo exactly; with them, an
+  `Answer:` the model tried inside its thinking (within the 300-character tail) would
+  otherwise be scored instead of its final one."""
+  end = solution_str.rfind(THINK_END)
+  if end != -1:
+    return solution_str[end + len(THINK_END):]
+  return "" if THINK_START in solution_str else solution_str
+
+
 def extract_answer_line(solution_str: str, tail_chars: int = TAIL_CHARS) -> str | None:
-  """Returns the text after the last `Answer:` in the tail, or None (spec 2.1-2.2)."""
-  matches = ANSWER_PATTERN.findall(solution_str[-tail_chars:])
+  """Returns the text after the last `Answer:` in the tail of `answer_region`, or None (spec
+  2.1-2.2)."""
+  matches = ANSWER_PATTERN.findall(answer_region(solution_str)[-tail_chars:])
   return matches[-1] if matches else None
 
 

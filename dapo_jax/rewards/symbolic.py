@@ -59,8 +59,9 @@ def last_boxed_content(text: str) -> str | None:
 
 
 def extract_answer(solution_str: str, tail_chars: int = math_dapo.TAIL_CHARS) -> str | None:
-  """The last `Answer:` line in the tail, else the last `\\boxed{}` in the tail, else None."""
-  tail = solution_str[-tail_chars:]
+  """The last `Answer:` line in the tail, else the last `\\boxed{}` in the tail, else None (the
+  tail of `math_dapo.answer_region`: after a thinking block)."""
+  tail = math_dapo.answer_region(solution_str)[-tail_chars:]
   answer = math_dapo.extract_answer_line(tail, tail_chars)
   if answer is None:
     answer = last_boxed_content(tail)
