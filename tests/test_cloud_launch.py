@@ -347,9 +347,12 @@ def test_multinode_script_trains_on_two_ranks(tmp_path):
     cmd = ["bash", "launch/multinode_gpu.sh", "--coordinator", coord, "--nodes", "2", "--rank",
            str(rank), "--config", "configs/tiny_cpu.py", "--workdir", workdir, "--",
            *GPU_RUN_FLAGS]
-    procs.append(subprocess.Popen(cmd, env=fakes.worker_env(_base_env(), 4), cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = wait_all(procs, LAUNCH_TIMEOUT_S, "a rank")
+    env = {**fakes.worker_env(_base_env(), 4), "PYTHONFAULTHANDLER": "1"}  # stacks on a hang
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  # Done when both exit; failed when one exits non-zero or neither writes a line or a file
+  # (the workdir holds the compilation cache, filled as each program compiles) for the limit.
+  outs = wait_all(procs, LAUNCH_TIMEOUT_S, "a rank", watch=[workdir])
   for rank, out in enumerate(outs):
     assert f"process {rank} of 2" in out
   assert _steps_done(workdir) == list(range(1, GPU_STEPS + 1))

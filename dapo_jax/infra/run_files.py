@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from typing import Any, Callable, TypeVar
 
 from etils import epath
@@ -186,14 +187,23 @@ def is_remote(path: epath.PathLike) -> bool:
 
 
 def write_bytes_atomic(path: epath.PathLike, data: bytes) -> None:
-  """Writes ``data``; a reader never sees a half-written file."""
+  """Writes ``data``; a reader never sees a half-written file.
+
+  Several writers of one file (every process of a run writes ``config.json``, and the hosts may
+  share the disk) each write their own temporary file: with one shared name, the first rename
+  took the file from under the second (FileNotFoundError, seen in the 2-rank launch test).
+  """
   path = epath.Path(path)
   if is_remote(path):
     path.write_bytes(data)  # One upload: the object is replaced as a whole or not at all.
     return
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_bytes(data)
-  os.replace(tmp, path)
+  tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+  try:
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():  # a failed write leaves nothing behind
+      tmp.unlink()
 
 
 def write_text_atomic(path: epath.PathLike, text: str) -> None:
