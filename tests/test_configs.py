@@ -28,10 +28,13 @@ def test_config_loads_validates_and_names_its_command(path):
   config_lib.validate(cfg)
 
 
-def test_32b_config_matches_the_paper_table():
-  c = _load(os.path.join(ROOT, "configs", "dapo_qwen2_5_32b.py")).get_config()
+@pytest.mark.parametrize("name,preset", [("dapo_qwen2_5_32b", "qwen2.5-32b"),
+                                         ("dapo_qwen3_8b_base", "qwen3-8b")])
+def test_32b_config_matches_the_paper_table(name, preset):
+  """The paper's recipe (32B), and the Qwen3-8B-Base config that restates it at 8B."""
+  c = _load(os.path.join(ROOT, "configs", f"{name}.py")).get_config()
   expected = {  # docs/algorithm.md section 8 (and sections 1, 2, 6)
-      "model.preset": "qwen2.5-32b",
+      "model.preset": preset,
       "optim.train_batch_size": 512, "rollout.n": 16,
       "algorithm.gen_batch_size": 1536, "algorithm.max_num_gen_batches": 10,
       "optim.mini_batch_size": 32, "optim.ppo_epochs": 1,

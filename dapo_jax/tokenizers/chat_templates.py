@@ -7,6 +7,18 @@ controls (`break`/`continue`), a `tojson` that does not HTML-escape,
 `raise_exception` and `strftime_now`, and `{% generation %}` blocks accepted
 (rendered as plain text; we never need the assistant mask). Templates come
 from untrusted checkpoint files, hence the sandbox.
+
+Qwen3 (no built-in copy: a Qwen3 run reads the checkpoint's own template,
+`tokenizer.kind="auto"`). Prompts are rendered with the generation prompt and
+without `enable_thinking`, as `apply_chat_template` does by default: thinking
+mode, the prompt ends at `<|im_start|>assistant\n` and the model opens its own
+`<think>` block (`enable_thinking=False` would append an empty one to the
+prompt instead). The thinking is KEPT in the response: it is the policy's
+output, trained on and counted in the length budget and the overlong buffer.
+`<think>` / `</think>` are added tokens NOT flagged special in Qwen3's
+tokenizer.json, so decoding with `skip_special_tokens=True`
+(trainer/generation.py) leaves them in the text, and the verifiers read the
+answer after the last `</think>` (rewards/math_dapo.answer_region).
 """
 
 import datetime
