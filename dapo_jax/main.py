@@ -29,11 +29,12 @@ def _define(fv: flags.FlagValues) -> None:
   flags.DEFINE_list("allow_config_change", [], "Keys (or sections) a resumed run may change "
                     "although they change its state or algorithm, e.g. optim.lr,rollout.n; "
                     "recorded in <workdir>/config_history/.", flag_values=fv)
+  cli.define_verbose(fv)
 
 
-def _setup_logging() -> None:
+def _setup_logging(verbose: bool = False) -> None:
   from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
-  console_log.configure_logging()  # stdout; third-party INFO chatter off
+  console_log.configure_logging(verbose=verbose)  # stdout; third-party INFO chatter off
 
 
 def main(argv: Sequence[str]) -> dict[str, float]:
@@ -42,7 +43,10 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   if not fv.workdir:
     raise flags.Error("--workdir is required: a local directory or gs://bucket/run (a new one "
                       "starts a run, an existing one resumes it).")
-  _setup_logging()
+  if fv.verbose:
+    _setup_logging(verbose=True)
+  else:
+    _setup_logging()
   from dapo_jax.infra import distributed, libtpu_flags  # pylint: disable=g-import-not-at-top
   libtpu_flags.apply(fv.config.get("tpu_windowed_einsum", False))  # before JAX starts
   distributed.maybe_initialize()
@@ -50,15 +54,23 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   from dapo_jax import config as config_lib
   from dapo_jax.spec import run_config
   from dapo_jax.infra import run_files
+  from dapo_jax.checkpoints import hf
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   from dapo_jax.data.records import DataFormatError
   from dapo_jax.trainer.train import train_and_evaluate
   # Past flag parsing only these are the user's to fix (a bad config value, a config change the
-  # run cannot take, a missing bucket, a checkpoint of another model, a malformed data file) or
-  # a storage outage past its retries (its own one line); any other error keeps its traceback.
+  # run cannot take, a missing bucket or model directory, a checkpoint of another model, a
+  # malformed data file) or a storage outage past its retries (its own one line); any other
+  # error keeps its traceback.
   with cli.tracebacks_except(config_lib.ConfigError, run_config.ConfigChangeError,
-                             run_config.BucketNotFoundError, orbax_ckpt.CheckpointLayoutError,
-                             DataFormatError, run_files.StorageUnavailableError):
+                             run_config.BucketNotFoundError, hf.MissingCheckpointError,
+                             orbax_ckpt.CheckpointLayoutError, DataFormatError,
+                             run_files.StorageUnavailableError):
+    # The model directory before the workdir is made (a gs:// one retried through an outage).
+    run_files.retry_transient(
+        lambda: hf.check_checkpoint_dir(fv.config.model.checkpoint),
+        what=f"--config.model.checkpoint={fv.config.model.checkpoint}",
+        timeout_s=float(fv.config.checkpoint.storage_wait_s))
     return train_and_evaluate(fv.config, cli.expand(fv.workdir), fv.allow_config_change)
 
 

@@ -11,6 +11,10 @@ in seconds with the same sequence of failed requests, saves and flushes:
 
 With ``DAPO_OUTAGE_MARKER=<file>`` the wall time at which the run gives up (the first
 `StorageUnavailableError` made) is written to that file, so a test can time the exit after it.
+
+``DAPO_OUTAGE_COMMAND=eval`` runs `dapo-eval` instead; with ``DAPO_OUTAGE_HOLD=<dir>`` it writes
+``<dir>/reading`` just before it reads the checkpoint and waits for ``<dir>/go``, so a test can
+stop the storage exactly then.
 """
 
 import os
@@ -19,6 +23,23 @@ import time
 
 SCALE_ENV = "DAPO_OUTAGE_TIME_SCALE"
 MARKER_ENV = "DAPO_OUTAGE_MARKER"
+COMMAND_ENV = "DAPO_OUTAGE_COMMAND"
+HOLD_ENV = "DAPO_OUTAGE_HOLD"
+
+
+def hold_before_checkpoint_reads(hold: str) -> None:
+  """The first checkpoint read waits, after ``<hold>/reading``, for ``<hold>/go``."""
+  from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
+  real = orbax_ckpt.restore_params_only
+
+  def held(*args, **kwargs):
+    if not os.path.exists(os.path.join(hold, "reading")):
+      open(os.path.join(hold, "reading"), "w").close()
+      deadline = time.monotonic() + 120
+      while not os.path.exists(os.path.join(hold, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return real(*args, **kwargs)
+  orbax_ckpt.restore_params_only = held
 
 
 def install(scale: float, marker: str | None) -> None:
@@ -48,5 +69,11 @@ def install(scale: float, marker: str | None) -> None:
 if __name__ == "__main__":
   sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
   install(float(os.environ.get(SCALE_ENV, "1")), os.environ.get(MARKER_ENV))
-  from dapo_jax import main  # pylint: disable=g-import-not-at-top
-  main.run()
+  if os.environ.get(HOLD_ENV):
+    hold_before_checkpoint_reads(os.environ[HOLD_ENV])
+  if os.environ.get(COMMAND_ENV) == "eval":
+    from dapo_jax.trainer import evaluate  # pylint: disable=g-import-not-at-top
+    evaluate.run()
+  else:
+    from dapo_jax import main  # pylint: disable=g-import-not-at-top
+    main.run()

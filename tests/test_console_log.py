@@ -151,3 +151,27 @@ def test_config_rejects_bad_logging_values(field, value, match):
   node[leaf] = value
   with pytest.raises(ValueError, match=match.replace(".", r"\.").replace("(", r"\(")):
     config_lib.validate(c)
+
+
+def test_orbax_noise_stays_off_the_terminal_unless_verbose(caplog):
+  """Orbax's per-save "Waiting for previous save" (12 of 32 lines of a run saving every step)
+  and its read-only note (issue 41) are dropped; --verbose (``verbose=True``) shows them."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+
+  def lines():
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      for _ in range(3):  # one per step with checkpoint.save_every=1
+        absl_logging.warning("Waiting for previous save to complete took %f seconds. If this "
+                             "number is high, consider checkpointing less frequently.", 1.5)
+      absl_logging.warning("Given directory is read only=%s", "gs://b/run/checkpoints")
+      absl_logging.warning("a warning to keep")
+    return [r.getMessage() for r in caplog.records]
+
+  try:
+    C.configure_logging(stderr=True)
+    assert lines() == ["a warning to keep"]
+    C.configure_logging(stderr=True, verbose=True)
+    assert len(lines()) == 5
+  finally:
+    C.configure_logging(stderr=True)

@@ -8,6 +8,10 @@ NaN skip and the emulator's credential variables, a 40-step run of these flags (
 checkpoint, samples every 10 steps) printed 298 lines: 40 step lines, 24 sample lines, 200
 tensorboardX NaN warnings, 30 fsspec INFO lines, 3 start/end lines and TensorStore's
 "Could not find the credentials file" error; after, 68 (the steps, the samples, 4 others).
+
+The same run's bucket then serves the other commands (issue 41): `dapo-export` of a missing step
+prints its one error line and nothing else (no Orbax "Given directory is read only" above it),
+and `dapo-eval` through an outage of its checkpoint read prints a few lines, no traceback.
 """
 
 import logging
@@ -16,9 +20,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
+from tests import outage_target
 from tests.gcs_emulator import GcsEmulator
 from tests.tiny_run_flags import TINY_RUN_FLAGS
 
@@ -35,8 +41,13 @@ def _dapo_train() -> list[str]:
   return [script] if os.path.exists(script) else [sys.executable, "-m", "dapo_jax.main"]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fake-gcs-server binary")
-def test_gs_run_prints_its_steps_and_little_else(tmp_path):
+@pytest.fixture(scope="module")
+def gs_run(tmp_path_factory):
+  """(emulator, env, the 3-step run's output, its checkpoint objects) of a `dapo-train` run on
+  gs://bkt-quiet/run, with a checkpoint and a metrics flush at every step."""
+  if sys.platform != "linux":
+    pytest.skip("fake-gcs-server binary")
+  tmp_path = tmp_path_factory.mktemp("quiet")
   emu = GcsEmulator(str(tmp_path / "gcs"))
   emu.start()
   try:
@@ -49,8 +60,13 @@ def test_gs_run_prints_its_steps_and_little_else(tmp_path):
          "--config.logging.samples_every=0"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     saved = emu.object_names("bkt-quiet", "run/checkpoints/")
+    yield emu, env, out, saved
   finally:
     emu.stop()
+
+
+def test_gs_run_prints_its_steps_and_little_else(gs_run):
+  _, _, out, saved = gs_run
   lines = out.stdout.splitlines() + out.stderr.splitlines()
   assert out.returncode == 0, "\n".join(lines[-60:])
   steps = [int(m.group(1)) for line in lines if (m := _STEP.search(line))]
@@ -58,6 +74,56 @@ def test_gs_run_prints_its_steps_and_little_else(tmp_path):
   assert any(n.endswith(f"/{STEPS}/commit_success.txt") for n in saved), saved  # it did write
   others = [line for line in lines if not _STEP.search(line)]
   assert len(others) <= FIXED_LINES, f"{len(others)} lines besides the steps:\n" + "\n".join(others)
+
+
+def test_export_of_a_missing_step_prints_one_line(gs_run, tmp_path):
+  """Orbax's "Given directory is read only" warning (a read-only restore) stays off the terminal
+  unless --verbose asks for it (issue 41: it came above the error line)."""
+  _, env, _, _ = gs_run
+  cmd = [sys.executable, "-c", "from dapo_jax.commands import export; export.run()",
+         "--workdir=gs://bkt-quiet/run", "--step=7", f"--out={tmp_path / 'out'}"]
+  out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+  assert out.returncode == 2 and len(lines) == 1, "\n".join(lines)
+  assert lines[0].startswith("dapo-export: error: ") and "7" in lines[0], lines
+
+
+def test_eval_through_an_outage_prints_few_lines(gs_run, tmp_path):
+  """`dapo-eval` whose checkpoint read meets an outage (the storage stopped just before it, for
+  longer than one request's retries) waits it out with one warning and no third-party
+  traceback, as dapo-train does (issue 41: 104 lines on stderr, two gcsfs tracebacks), then
+  evaluates. Its waits are scaled as in tests/test_storage_outages.py."""
+  emu, env, _, _ = gs_run
+  hold = tmp_path / "hold"
+  hold.mkdir()
+  env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             **{outage_target.SCALE_ENV: "0.05", outage_target.COMMAND_ENV: "eval",
+                outage_target.HOLD_ENV: str(hold)})
+  cmd = [sys.executable, "-m", "tests.outage_target", "--workdir=gs://bkt-quiet/run",
+         f"--step={STEPS}", "--config.eval.max_examples=2", "--config.eval.num_samples=1",
+         "--config.eval.batch_size=2"]
+  proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while not (hold / "reading").exists() and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    emu.stop()
+    try:
+      (hold / "go").touch()
+      time.sleep(4)  # past gcsfs's (scaled) retries of one request
+    finally:
+      emu.start()
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  err = [line for line in stderr.splitlines() if line.strip()]
+  assert proc.returncode == 0, "\n".join(err[-60:])
+  assert '"avg@1"' in stdout or "avg@1" in stdout, stdout[-2000:]
+  assert "Traceback" not in stderr and not any("Given directory" in e for e in err), stderr
+  assert any("storage unreachable" in e for e in err), "\n".join(err)
+  assert len(err) <= 6, f"{len(err)} lines on stderr:\n" + "\n".join(err)
 
 
 def test_non_finite_scalars_stay_out_of_tensorboard(tmp_path, caplog):

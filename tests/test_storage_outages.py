@@ -60,7 +60,9 @@ def test_outages_of_5_s_and_60_s_are_ridden_out_then_5_min_stops_the_run(gcs, tm
   """One run, two outages (5 s after checkpoint 1, 60 s after checkpoint 3): it completes, with
   every step's metrics exactly once and its last checkpoint. Then a relaunch on the same
   workdir meets a 5-minute outage: it stops after 3 failed saves in a row, exits within 60 s
-  (scaled) with one line naming the storage error, and loses only the unsaved steps. A launch
+  (scaled) with one line naming the storage error, and loses only the unsaved steps. The outage
+  starts two steps before the end, so the last of those saves is the end of the run's retry of
+  its last step, which counts as a failed save too (issue 41: it used to retry forever). A launch
   while storage is still down waits checkpoint.storage_wait_s, then fails in one line."""
   bucket = f"run-{uuid.uuid4().hex[:8]}"
   gcs.create_bucket(bucket)
@@ -79,7 +81,7 @@ def test_outages_of_5_s_and_60_s_are_ridden_out_then_5_min_stops_the_run(gcs, tm
                                "ServerDisconnectedError"}, warned
   assert len(_noise(first)) <= len(warned) + 12, "\n".join(_noise(first))
 
-  second = _run(gcs, bucket, tmp_path, jax_cache, num_steps=30,
+  second = _run(gcs, bucket, tmp_path, jax_cache, num_steps=10,
                 outages=[outage_run.Outage(8, None)])
   assert second.returncode == 2 and second.gave_up_at is not None, second.text
   assert second.exited_at - second.gave_up_at < 60 * SCALE + 15, second.text
@@ -88,8 +90,12 @@ def test_outages_of_5_s_and_60_s_are_ridden_out_then_5_min_stops_the_run(gcs, tm
   assert f"{MAX_FAILED_SAVES} saves in a row failed" in last
   assert "Traceback" not in second.text
   newest = outage_run.committed_steps(gcs, bucket)[-1]
-  trained = max(int(m) for m in re.findall(r"step (\d+)/30", second.text))
-  assert 8 <= newest and trained - newest <= MAX_FAILED_SAVES, second.text
+  trained = max(int(m) for m in re.findall(r"step (\d+)/10", second.text))
+  assert 8 <= newest and trained == 10, second.text
+  # The step it names is on storage (8, or 7 when step 8's save finished its clean-up in the
+  # outage and so counted as failed), never one whose save failed.
+  named = int(re.search(r"the newest checkpoint is step (\d+) ", last).group(1))
+  assert 7 <= named <= newest and named in outage_run.committed_steps(gcs, bucket), last
   logged = outage_run.logged_steps(gcs, bucket)
   assert logged == sorted(set(logged)) and logged[:newest] == list(range(1, newest + 1))
 
@@ -227,6 +233,37 @@ def test_failed_saves_are_warnings_then_a_resave_of_the_same_step_lands(gcs, mon
       assert ck.all_steps() == [1, 3]
   finally:
     ock.bound_tensorstore_retries()
+
+
+def test_a_step_saved_again_counts_each_attempt(gcs, monkeypatch):
+  """The end of a run saves its last step again until it lands (`train._last_save_landed`):
+  each attempt counts towards max_consecutive_failed_saves, so a long outage at the last step
+  stops the run naming the newest checkpoint instead of retrying forever (issue 41)."""
+  from dapo_jax.checkpoints import orbax as ock  # pylint: disable=g-import-not-at-top
+  from tests.test_orbax_checkpoint import _small_state  # pylint: disable=g-import-not-at-top
+  _in_process_scaled(gcs, monkeypatch)
+  bucket = f"b-{uuid.uuid4().hex[:8]}"
+  gcs.create_bucket(bucket)
+  attempts = 0
+  try:
+    ck = ock.TrainCheckpointer(f"gs://{bucket}/ck", max_consecutive_failed_saves=3)
+    ck.save(1, *_small_state(1))
+    assert ck.wait_until_finished()
+    gcs.stop()
+    try:
+      ck.save(2, *_small_state(2))
+      with pytest.raises(run_files.StorageUnavailableError) as err:
+        while not ck.wait_until_finished() and attempts < 6:  # _last_save_landed's loop
+          attempts += 1
+          ck.save(2, *_small_state(2))
+    finally:
+      gcs.start()
+    ck.close()
+  finally:
+    ock.bound_tensorstore_retries()
+  assert attempts < 3, attempts
+  assert "3 saves in a row failed (step 2; " in str(err.value)
+  assert "the newest checkpoint is step 1 (1 steps unsaved)" in str(err.value)
 
 
 

@@ -57,9 +57,26 @@ MISTAKES = [
      "Mesh [('data', 3)] does not divide the 8 available devices. Use -1 for one axis"),
     ("mesh that does not divide the devices", ("dapo-plan",), ["--config.mesh=data=3"],
      "Mesh [('data', 3)] does not divide the 8 available devices"),
-    ("unknown mesh axis", ("dapo-train", "dapo-plan"), ["--config.mesh=dp=-1"],
+    ("mesh that does not divide the devices", ("dapo-train", "dapo-eval", "dapo-serve",
+                                               "dapo-export"), ["--config.mesh=data=-1,tensor=3"],
+     "config.mesh=[('data', -1), ('tensor', 3)]: Mesh [('data', -1), ('tensor', 3)] does not "
+     "divide the 8 available devices"),
+    ("rollout mesh that does not divide the devices", ("dapo-eval", "dapo-serve", "dapo-export"),
+     ["--config.rollout_mesh=tensor=3"], "config.rollout_mesh=[('tensor', 3)]: Mesh"),
+    ("unknown mesh axis", ALL, ["--config.mesh=dp=-1"],
      "config.mesh=[('dp', -1)]: axis names must be distinct and among ('data', 'fsdp', "
      "'tensor')"),
+    ("no steps", ("dapo-train", "dapo-plan"), ["--config.num_steps=-3"],
+     "config.num_steps=-3: must be >= 1"),
+    ("zero steps", ("dapo-train", "dapo-plan"), ["--config.num_steps=0"],
+     "config.num_steps=0: must be >= 1"),
+    ("model directory that does not exist", ("dapo-train", "dapo-eval", "dapo-serve",
+                                             "dapo-plan"), ["--config.model.checkpoint={w}-model"],
+     "{w}-model"),
+    ("model directory that does not exist", ("dapo-train", "dapo-eval", "dapo-serve"),
+     ["--config.model.checkpoint={w}-model"],
+     "config.model.checkpoint='{w}-model': no such directory {w}-model (expected a Hugging "
+     "Face checkpoint directory"),
     ("mini-batch that does not divide the batch", ("dapo-train",),
      ["--config.optim.mini_batch_size=3"],
      "config.optim.mini_batch_size=3: must (1) divide optim.train_batch_size=16, (2) times "
@@ -122,6 +139,19 @@ def test_a_mistake_gets_one_line_from_every_command(mistake, progs, added, want,
     code, err = run_command(prog, _argv(prog, added, w), capsys)
     assert_one_line(prog, code, err, want.replace("{w}", w))
     assert not os.path.exists(w), prog  # answered before anything was written
+
+
+def test_a_mesh_is_checked_on_one_device_too(tmp_path, capsys, monkeypatch):
+  """One device builds no mesh, but a mesh that cannot fit it is still a mistake: every
+  command that takes one says so (issue 41: dapo-eval ignored it and exited 0)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, "device_count", lambda *args, **kwargs: 1)
+  w = str(tmp_path / "run")
+  for prog in ("dapo-train", "dapo-eval", "dapo-serve", "dapo-export"):
+    code, err = run_command(prog, _argv(prog, ["--config.mesh=data=-1,tensor=3"], w), capsys)
+    assert_one_line(prog, code, err, "config.mesh=[('data', -1), ('tensor', 3)]: Mesh "
+                    "[('data', -1), ('tensor', 3)] does not divide the 1 available devices")
+    assert not os.path.exists(w), prog
 
 
 def test_a_missing_bucket_is_named(tmp_path, capsys, monkeypatch):

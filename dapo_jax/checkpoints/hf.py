@@ -45,6 +45,27 @@ class CheckpointError(ValueError):
   """A Hugging Face checkpoint that cannot be loaded as asked; the message names the cause."""
 
 
+class MissingCheckpointError(FileNotFoundError):
+  """``config.model.checkpoint`` names no directory: a user's mistake, answered in one line."""
+
+
+def check_checkpoint_dir(path: str) -> None:
+  """Raises `MissingCheckpointError` when ``path`` (``config.model.checkpoint``, local or
+  ``gs://``; "" = none) is not a directory. The commands call it before they build or write
+  anything, so a typo is one line, not a traceback after minutes of start-up."""
+  if not path:
+    return
+  resolved = run_files.resolve(path)
+  try:
+    found = resolved.is_dir()
+  except FileNotFoundError:  # gcsfs: no such bucket
+    found = False
+  if not found:
+    raise MissingCheckpointError(
+        f"config.model.checkpoint={path!r}: no such directory {resolved} (expected a Hugging "
+        "Face checkpoint directory, config.json and *.safetensors, local or gs://).")
+
+
 def hf_name(path: tuple[Any, ...]) -> str:
   """Our parameter path -> the HF tensor name (``('layers', 0, 'mlp', 'up_proj', 'kernel')``)."""
   if path == ("embed_tokens",):

@@ -27,7 +27,8 @@ What this adds to ``ocp.CheckpointManager`` so a week-long run does not lose wor
   * Saving at or below an existing step raises, where Orbax would silently skip the save.
   * A save that fails on a storage outage (`run_files.is_transient`, raised by the save or, for
     an async save, found at the next save or wait) is one warning naming the unsaved steps; the
-    next save retries. ``max_consecutive_failed_saves`` failures in a row raise
+    next save retries. ``max_consecutive_failed_saves`` failed attempts in a row (of new steps,
+    or of one step saved again) raise
     `run_files.StorageUnavailableError`. TensorStore's retries are bounded
     (`bound_tensorstore_retries`) and directories are created before `save` returns, so a failed
     save leaves no Orbax thread waiting for minutes.
@@ -142,9 +143,9 @@ class TrainCheckpointer:
       background (so the caller may donate or overwrite the device buffers right after).
     read_retries / retry_backoff_s: a restore that hits I/O errors retries this many times,
       waiting ``retry_backoff_s * 2**attempt`` before each retry, then raises.
-    max_consecutive_failed_saves: saves failing on a storage outage in a row before `save`
-      raises `run_files.StorageUnavailableError` (earlier ones are warnings; the next save
-      retries).
+    max_consecutive_failed_saves: save attempts failing on a storage outage in a row (a step
+      saved again counts each time) before `save` or `wait_until_finished` raises
+      `run_files.StorageUnavailableError` (earlier ones are warnings; the next save retries).
   """
 
   def __init__(self, directory: str | epath.PathLike, *, max_to_keep: int | None = 3,
@@ -153,7 +154,9 @@ class TrainCheckpointer:
     self.directory = run_files.resolve(directory)  # absolute, or a gs:// URL
     self._retries, self._backoff_s = read_retries, retry_backoff_s
     self._max_failed = max(int(max_consecutive_failed_saves), 1)
-    self._failed: list[int] = []  # steps of the saves failed in a row, oldest first
+    # The step of each save attempt failed in a row, oldest first: a step retried (the end of a
+    # run saves its last step again until it lands) counts once per attempt.
+    self._failed: list[int] = []
     self._pending: int | None = None  # the async save not yet waited for
     self._stale = False  # Orbax's step list may be wrong after a failed save: reload it
     self._async = async_save
@@ -170,6 +173,9 @@ class TrainCheckpointer:
         # unable to exit); made here, it is one error of this save.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
+    # The newest step known to be on storage. Orbax lists a step from the moment its save
+    # starts, so after a failed save its list names a step that is not there.
+    self._landed: int | None = self._mgr.latest_step()
 
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any] | None = None,
            *, force: bool = False) -> None:
@@ -194,6 +200,7 @@ class TrainCheckpointer:
       return
     if step in self._failed and step in self._mgr.all_steps():
       self._failed.clear()  # the "failed" save had committed; only its clean-up failed
+      self._landed = step
       return
     clash = [s for s in self._mgr.all_steps() if s >= step]
     if clash and not force:
@@ -201,6 +208,8 @@ class TrainCheckpointer:
           f"Cannot save step {step} in {self.directory}: step(s) {sorted(clash)} already exist "
           f"(a run resumed from an older step?). Move them away, or pass force=True to delete "
           f"them.")
+    if clash:
+      self._landed = max((s for s in self._mgr.all_steps() if s < step), default=None)
     for s in clash:
       _log.warning("Deleting checkpoint step %d in %s to save step %d (force=True).", s,
                    self.directory, step)
@@ -239,15 +248,16 @@ class TrainCheckpointer:
   def _failure(self, step: int, err: BaseException) -> None:
     """One failed save: a warning, or past the limit `StorageUnavailableError`."""
     self._stale = True
-    if step not in self._failed:
-      self._failed.append(step)
+    self._failed.append(step)
     newest = self.latest_step()
     unsaved = step - (newest or 0)
     what = run_files.describe(err)
     if len(self._failed) >= self._max_failed:
+      distinct = sorted(set(self._failed))
+      steps = f"step{'s' if len(distinct) > 1 else ''} {', '.join(map(str, distinct))}"
       raise run_files.StorageUnavailableError(
           f"Checkpoints could not be written to {self.directory}: {len(self._failed)} saves in "
-          f"a row failed (steps {', '.join(map(str, self._failed))}; last error {what}). "
+          f"a row failed ({steps}; last error {what}). "
           f"Training stopped at step {step}; the newest checkpoint is "
           f"{'step %d' % newest if newest is not None else 'none'} ({unsaved} steps unsaved). "
           "Relaunch with the same --workdir once the storage is reachable "
@@ -280,15 +290,16 @@ class TrainCheckpointer:
         self._quarantine, retries=self._retries, backoff_s=self._backoff_s)
 
   def latest_step(self) -> int | None:
-    """The newest complete step (None: none); finished async saves included."""
-    return self._mgr.latest_step()
+    """The newest step known to be complete on storage (None: none): an async save counts once
+    `wait_until_finished` (or the next save) found it landed; a failed one never does."""
+    return self._landed
 
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
   @property
   def unsaved_failures(self) -> int:
-    """Saves failed in a row so far (0 once one lands)."""
+    """Save attempts failed in a row so far (0 once one lands)."""
     return len(self._failed)
 
   def wait_until_finished(self) -> bool:
@@ -311,6 +322,7 @@ class TrainCheckpointer:
       return False
     if step is not None:
       self._failed.clear()
+      self._landed = step
     return not self._failed
 
   def close(self) -> None:
@@ -335,7 +347,7 @@ class TrainCheckpointer:
     if not run_files.is_transient(e):
       raise e
     _log.warning("Closing the checkpoints in %s met a storage outage (%s); the newest saved "
-                 "step is %s.", self.directory, run_files.describe(e), self._mgr.latest_step())
+                 "step is %s.", self.directory, run_files.describe(e), self._landed)
 
   def __enter__(self) -> TrainCheckpointer:
     return self
@@ -361,6 +373,7 @@ class TrainCheckpointer:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("dapo_jax_checkpoint_quarantine")
     self._mgr.reload()
+    self._landed = self._mgr.latest_step()
 
 
 def load_params_only(directory: str | epath.PathLike, step: int | None = None, *,
@@ -378,6 +391,7 @@ def restore_params_only(directory: str | epath.PathLike, step: int | None = None
 
   Read-only: never deletes or moves anything, so it is safe next to a running trainer.
   """
+  run_files.quiet_storage_tracebacks()  # I/O errors are retried and reported here, as in `save`
   directory = run_files.resolve(directory)
   if not directory.exists():
     raise CheckpointNotFoundError(f"Checkpoint directory {directory} does not exist.")

@@ -41,6 +41,7 @@ def _define(fv) -> None:
                     "directory (adapter_config.json + adapter_model.safetensors) instead of the "
                     "merged weights.", flag_values=fv)
   flags.mark_flags_as_required(["workdir", "out"], flag_values=fv)
+  cli.define_verbose(fv)
 
 
 def export_peft(spec: RunSpec, workdir: str, out: str, *, step: int | None = None) -> int:
@@ -105,7 +106,7 @@ def export(spec: RunSpec, workdir: str, out: str, *, step: int | None = None,
 def main(argv: Sequence[str]) -> str:
   fv = cli.parse("dapo-export", __doc__, argv, _define, cli.workdir_default)
   from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
-  console_log.configure_logging(stderr=True)  # third-party INFO chatter off
+  console_log.configure_logging(stderr=True, verbose=fv.verbose)  # third-party chatter off
   from dapo_jax.infra import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize()
   workdir, out = cli.expand(fv.workdir), cli.expand(fv.out)

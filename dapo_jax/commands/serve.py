@@ -318,6 +318,7 @@ def _define(fv) -> None:
           "(default: 8 x --max_concurrent_decodes).")
   string("log_level", "WARNING",
          "Python logging level (INFO logs every JetStream generate step).")
+  cli.define_verbose(fv)
 
 
 def parse_args(argv: Sequence[str] | None):
@@ -329,6 +330,8 @@ def parse_args(argv: Sequence[str] | None):
 def main(argv: Sequence[str] | None = None, *, block: bool = True):
   """Serves until interrupted; with `block=False`, returns the running server instead."""
   fv = parse_args(argv)
+  from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
+  console_log.configure_logging(stderr=True, verbose=fv.verbose)  # as every command
   logging.getLogger().setLevel(fv.log_level.upper())
   engine = build_engine(fv)
   server = start_server(engine, port=fv.port, host=fv.host, threads=fv.threads,

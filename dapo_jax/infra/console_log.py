@@ -56,16 +56,41 @@ QUIET_LOGGERS = ("absl", "jax._src", "orbax", "tensorflow", "fsspec", "gcsfs", "
                  "google", "urllib3", "matplotlib", "tensorboardX")
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 
+# Third-party warnings about nothing a user can act on: (logger, message start). Orbax warns that
+# a checkpoint opened read-only (dapo-eval, dapo-export, dapo-serve) is read-only, and, with a
+# checkpoint every step, how long each save waited for the previous one (issue 41: 12 of 32 lines).
+NOISE = (("absl", "Given directory is read only"),
+         ("absl", "Waiting for previous save to complete took"))
 
-def configure_logging(stderr: bool = False) -> None:
+
+class _DropNoise(logging.Filter):
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not any(record.name == name and str(record.msg).startswith(start)
+                   for name, start in NOISE)
+
+
+_DROP_NOISE = _DropNoise()
+
+
+def configure_logging(stderr: bool = False, verbose: bool = False) -> None:
   """The commands' logging: INFO lines of ours to stdout (``dapo-train``: where a cluster log
   looks) or stderr (commands whose stdout is their result), third-party chatter
-  (`QUIET_LOGGERS`) from WARNING up only."""
+  (`QUIET_LOGGERS`) from WARNING up only, minus `NOISE`; ``verbose`` (``--verbose``) shows both.
+  Every command drops the tracebacks of storage errors its own code retries and reports in one
+  line (`run_files.quiet_storage_tracebacks`)."""
+  from dapo_jax.infra import run_files  # pylint: disable=g-import-not-at-top
   # stdout replaces any handler already there (absl's); stderr keeps one (a test's capture).
   logging.basicConfig(level=logging.INFO, format=LOG_FORMAT,
                       stream=sys.stderr if stderr else sys.stdout, force=not stderr)
   for name in QUIET_LOGGERS:
-    logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+  for name in {name for name, _ in NOISE}:
+    if verbose:
+      logging.getLogger(name).removeFilter(_DROP_NOISE)
+    elif _DROP_NOISE not in logging.getLogger(name).filters:
+      logging.getLogger(name).addFilter(_DROP_NOISE)
+  run_files.quiet_storage_tracebacks()
 
 
 def _number(scalars: Mapping[str, Any], name: str) -> float | None:

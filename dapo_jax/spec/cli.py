@@ -72,12 +72,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.remat = "none"
     return c
   path = run_files.resolve(arg) / run_files.CONFIG_FILE
-  if not path.exists():
+  # A storage outage is waited out (one warning), as dapo-train's launch waits, for the default
+  # checkpoint.storage_wait_s (the run's own setting is in the file being read).
+  text = run_files.retry_transient(
+      lambda: path.read_text() if path.exists() else None, what=f"--workdir {arg}",
+      timeout_s=config_lib.default_config().checkpoint.storage_wait_s)
+  if text is None:
     if run_files.is_remote(path):
       run_config.check_bucket(path.parent)  # "no such bucket" rather than "not a workdir"
     raise FileNotFoundError(f"{path} not found: is {arg} a dapo-train workdir? Pass --config "
                             "with the config file the run used.")
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
+  return ml_collections.ConfigDict(json.loads(text))
 
 
 def expand_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -222,6 +227,13 @@ def _parse_flags(fv: flags.FlagValues, argv: list[str]) -> list[str]:
       raise
     raise flags.Error(f"--config={value}: the config file failed: {type(e).__name__}: "
                       f"{e}") from e
+
+
+def define_verbose(fv: flags.FlagValues) -> None:
+  """``--verbose``: what `console_log.configure_logging` keeps off a user's terminal."""
+  flags.DEFINE_bool("verbose", False, "Show third-party INFO lines and the warnings hidden as "
+                    "noise (Orbax's read-only note, its waits for the previous save), e.g. to "
+                    "report a bug.", flag_values=fv)
 
 
 def usage(doc: str, fv: flags.FlagValues) -> str:

@@ -97,6 +97,7 @@ def _define(fv) -> None:
                        flag_values=fv)
   flags.DEFINE_string("output", None, "Write the per-problem table as JSON here (local or gs://).",
                       flag_values=fv)
+  cli.define_verbose(fv)
 
 
 def _parse(argv: Sequence[str]) -> flags.FlagValues:
@@ -162,7 +163,7 @@ def describe(info: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> dict[str, float]:
   fv = _parse(argv)
   from dapo_jax.infra import console_log  # pylint: disable=g-import-not-at-top
-  console_log.configure_logging(stderr=True)  # third-party INFO chatter off
+  console_log.configure_logging(stderr=True, verbose=fv.verbose)  # third-party chatter off
   libtpu_flags.apply(fv.config.get("tpu_windowed_einsum", False))  # before JAX starts
   distributed.maybe_initialize()
   # The workdir's config.json (or --config) as it is: a saved run is not judged again.

@@ -42,8 +42,12 @@ class Policy(NamedTuple):
 def sampling_mesh(mesh: MeshAxes, rollout_mesh: MeshAxes = (), dcn_mesh: str = ""
                   ) -> Mesh | None:
   """``rollout_mesh`` (the config's; empty: its ``mesh``) over every device, its slices as
-  ``dcn_mesh`` says; None on one device."""
-  return run_setup.build_mesh(rollout_mesh or mesh, dcn_mesh)
+  ``dcn_mesh`` says; None on one device. A mesh that does not fit the devices (one included)
+  raises `config.ConfigError`, as dapo-train's validation does."""
+  from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  axes = [tuple(a) for a in (rollout_mesh or mesh)]
+  config_lib.check_mesh("rollout_mesh" if rollout_mesh else "mesh", axes, jax.device_count())
+  return run_setup.build_mesh(axes, dcn_mesh)
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
@@ -58,18 +62,25 @@ def load_policy(spec: RunSpec, *, workdir: str | None = None, step: int | None =
   Params are in ``spec.model.param_dtype`` (an fp32 master checkpoint is cast while read).
   """
   from dapo_jax.checkpoints import orbax as orbax_ckpt  # pylint: disable=g-import-not-at-top
-  from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
+  from dapo_jax.checkpoints.hf import (  # pylint: disable=g-import-not-at-top
+      check_checkpoint_dir, load_pretrained)
   m, tok = spec.model, spec.tokenizer
+  lora_run = workdir and lora.LoRAConfig.from_config(m.lora).rank
+  if not workdir or lora_run:  # its weights (a LoRA run's base) are read: named in one line
+    check_checkpoint_dir(m.checkpoint)
   tokenizer = run_setup.build_tokenizer(tok, m.checkpoint)
-  if workdir and lora.LoRAConfig.from_config(m.lora).rank:
+  if lora_run:
     return _lora_policy(spec, tokenizer, workdir, step, mesh, rules)
   if workdir:
     mcfg = run_setup.model_config(m, tok.kind, tokenizer)
     graphdef, abstract, rest = nnx.split(abstract_model(mcfg), nnx.Param, ...)
     if jax.tree.leaves(rest):
       raise ValueError("The model has non-parameter state that Orbax train checkpoints lack.")
-    restored = orbax_ckpt.restore_params_only(
-        checkpoint_dir(workdir), step, abstract_params=_targets(abstract, mesh, rules))
+    # A storage outage is waited out as dapo-train's launch waits (checkpoint.storage_wait_s).
+    restored = run_files.retry_transient(
+        lambda: orbax_ckpt.restore_params_only(
+            checkpoint_dir(workdir), step, abstract_params=_targets(abstract, mesh, rules)),
+        what=f"--workdir {workdir}", timeout_s=spec.checkpoint.storage_wait_s)
     return Policy(graphdef, restored.params, rest, tokenizer, mesh, restored.step)
   if not m.checkpoint:
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
