@@ -188,3 +188,18 @@ def test_one_dapo_step_with_the_paged_engine_and_lora(tmp_path, monkeypatch):
   adapters = test_train_e2e._params(workdir, 1)  # pylint: disable=protected-access
   assert len(adapters) == 2 * 7  # A and B of the 7 projections of the one (scanned) layer
   assert all(np.abs(a).max() > 0 for a in adapters)  # every B trained off its zero init
+
+
+def test_load_straight_into_sharded_layout(untied):
+  """The sharding rules place Qwen3's new parameters (q_norm / k_norm scales: logical axis
+  head_dim, replicated) and the bias-free projections; the sharded model keeps HF's logits."""
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
+  mesh = shd.make_mesh([("data", 1), ("fsdp", 4), ("tensor", 2)])
+  model = dapo_jax.load_pretrained(untied, mesh=mesh, scan_layers=True)
+  attn = model.layers.self_attn
+  assert attn.q_norm.scale.value.sharding.spec == jax.sharding.PartitionSpec(None, None)
+  assert attn.q_proj.kernel.value.sharding.spec == jax.sharding.PartitionSpec(
+      None, "fsdp", "tensor", None)
+  ids = _ids(2, 9, seed=5)
+  ref = hf_fixtures.hf_logits(untied, ids)
+  assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() <= TOL
