@@ -178,9 +178,10 @@ def test_one_dapo_step_with_the_paged_engine_and_lora(tmp_path, monkeypatch):
   ckpt = hf_fixtures.write_tiny_qwen2(str(tmp_path / "qwen3"), family="qwen3", head_dim=24,
                                       num_hidden_layers=1, seed=5)
   CharTokenizer().save(ckpt)
-  c = test_train_e2e._small_config(**{  # pylint: disable=protected-access"model.lora.rank": 2, "model.lora.alpha": 4.0, "optim.lr": 1e-2,
-                       "rollout.engine": "continuous", "rollout.kv_cache": "paged",
-                       "rollout.page_size": 4, "model.scan_layers": True, "num_steps": 1})
+  c = test_train_e2e._small_config(**{  # pylint: disable=protected-access
+      "model.lora.rank": 2, "model.lora.alpha": 4.0, "optim.lr": 1e-2,
+      "rollout.engine": "continuous", "rollout.kv_cache": "paged", "rollout.page_size": 4,
+      "model.scan_layers": True, "num_steps": 1})
   c.model.checkpoint, c.model.overrides, c.tokenizer.kind = ckpt, {}, "auto"
   workdir = str(tmp_path / "run")
   m = train_and_evaluate(c, workdir)
@@ -188,6 +189,24 @@ def test_one_dapo_step_with_the_paged_engine_and_lora(tmp_path, monkeypatch):
   adapters = test_train_e2e._params(workdir, 1)  # pylint: disable=protected-access
   assert len(adapters) == 2 * 7  # A and B of the 7 projections of the one (scanned) layer
   assert all(np.abs(a).max() > 0 for a in adapters)  # every B trained off its zero init
+  assert json.load(open(os.path.join(workdir, "config.json")))["model"]["lora"]["rank"] == 2
+  # dapo-export: the merged weights as a directory transformers loads as Qwen3, with the
+  # logits of the policy dapo-eval restores; --peft: the adapters on Qwen3's module names.
+  from dapo_jax.commands import export  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  merged, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+  export.main([f"--workdir={workdir}", f"--out={merged}"])
+  assert json.load(open(os.path.join(merged, "config.json")))["architectures"] == [
+      "Qwen3ForCausalLM"]
+  pol = policy_lib.load_policy(RunSpec.from_config(c), workdir=workdir)
+  ids = _ids(2, 9, seed=7)
+  np.testing.assert_allclose(hf_fixtures.hf_logits(merged, ids),
+                             np.asarray(pol.model(jnp.asarray(ids))), atol=2e-5, rtol=0)
+  export.main([f"--workdir={workdir}", f"--out={peft_dir}", "--peft"])
+  assert sorted(json.load(open(os.path.join(peft_dir, "adapter_config.json")))[
+      "target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                             "v_proj"]
 
 
 def test_load_straight_into_sharded_layout(untied):
