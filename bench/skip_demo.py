@@ -74,12 +74,15 @@ def _summary(workdir: str) -> dict:
       "steps": len(rows),
       "decoded_tokens_per_kept_group": (tot("sampling/decoded_tokens", rows)
                                         / max(tot("sampling/trained_groups", rows), 1.0)),
-      "decoded_per_kept_vs_ideal": tot("sampling/decoded_per_kept_vs_ideal", rows) / len(rows),
+      # 1 = every decoded group kept: decoded tokens per kept group over decoded per group.
+      "decoded_per_kept_vs_ideal": (tot("sampling/num_groups_generated", rows)
+                                    / max(tot("sampling/trained_groups", rows), 1.0)),
       "rollout_s": tot("time/rollout") / n,
       "gen_batches": tot("sampling/num_gen_batches", rows) / len(rows),
       "gen_batches_admitted": tot("sampling/gen_batches_admitted", rows) / len(rows),
       "kept_ratio": tot("sampling/kept_ratio", rows) / len(rows),
-      "prompts_skipped": tot("sampling/prompts_skipped", rows) / len(rows),
+      "prompts_skipped": (tot("skip/skipped_right", rows) + tot("skip/skipped_wrong", rows))
+                         / len(rows),
   }
   if "skip/retried" in rows[-1]:
     retried = tot("skip/retried", rows)

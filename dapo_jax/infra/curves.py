@@ -30,8 +30,8 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ("dynamic sampling: group ratios", ("*kept_ratio", "*all_correct_ratio", "*all_wrong_ratio")),
     ("generation batches per step", ("*num_gen_batches", "*gen_batches_admitted")),
     ("decoded tokens per kept group", ("*decoded_tokens_per_kept_group",)),
-    ("decoded tokens per kept group / ideal (1: every group kept)",
-     ("*decoded_per_kept_vs_ideal",)),
+    ("skip filter: decoded tokens per kept group / ideal (1: every group kept)",
+     ("skip/decoded_per_kept_vs_ideal",)),
     # The pre-rollout skip filter (algorithm.skip_filter, trainer/skip_filter.py).
     ("skip filter: prompts skipped by kind, retried, retried and informative",
      ("skip/skipped_right", "skip/skipped_wrong", "skip/retried", "skip/retried_informative")),

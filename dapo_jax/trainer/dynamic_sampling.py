@@ -132,8 +132,6 @@ class SamplingStats:
   # Paged KV cache: samples sent back to the queue for want of pages (decoded again, the same
   # tokens; their first pass counts in decoded_tokens).
   preemptions: int = 0
-  # A prefilter's prompts skipped before rollout (none without one).
-  prompts_skipped: int = 0
 
   def _ratio(self, n: int) -> float:
     return n / self.num_groups_generated if self.num_groups_generated else 0.0
@@ -167,7 +165,8 @@ class SamplingStats:
 
   @property
   def decoded_per_kept_vs_ideal(self) -> float:
-    """`decoded_tokens_per_kept_group` over its ideal, every decoded group kept (1 = no waste)."""
+    """`decoded_tokens_per_kept_group` over its ideal, every decoded group kept (1 = no waste).
+    Not in `to_dict` (a run's logged keys stay as they were); the skip filter logs it."""
     if not (self.decoded_tokens and self.num_groups_generated):
       return 0.0
     return self.decoded_tokens_per_kept_group / (self.decoded_tokens / self.num_groups_generated)
@@ -180,8 +179,7 @@ class SamplingStats:
              all_wrong_ratio=self.all_wrong_ratio,
              gen_batches_admitted=self.gen_batches_admitted,
              slot_utilization=self.slot_utilization,
-             decoded_tokens_per_kept_group=self.decoded_tokens_per_kept_group,
-             decoded_per_kept_vs_ideal=self.decoded_per_kept_vs_ideal)
+             decoded_tokens_per_kept_group=self.decoded_tokens_per_kept_group)
     return d
 
 
@@ -439,9 +437,7 @@ class DynamicSampler:
     stats.num_gen_batches += 1
     stats.gen_batch_size = stats.gen_batch_size or len(prompts)
     if self.prefilter is not None:
-      kept = self.prefilter.admit(prompts)
-      stats.prompts_skipped += len(prompts) - len(kept)
-      prompts = kept
+      prompts = self.prefilter.admit(prompts)
     return prompts
 
   def _take(self, g: Group, stats: SamplingStats, buffer: list[Group]) -> None:

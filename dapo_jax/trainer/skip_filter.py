@@ -170,13 +170,17 @@ class SkipFilter:
 
   # --- metrics and checkpoint ------------------------------------------------------------------
 
-  def metrics(self, num_generated: int, num_zero_variance: int) -> dict[str, float]:
-    """This call's ``skip/`` scalars. ``zero_var_share_before`` counts every skipped prompt as
-    the zero-variance group it was predicted to be (an upper estimate: see
-    ``retried_informative_ratio`` for how often such a prediction was wrong)."""
+  def metrics(self, num_generated: int, num_zero_variance: int,
+              decoded_per_kept_vs_ideal: float = 0.0) -> dict[str, float]:
+    """This call's ``skip/`` scalars (``decoded_per_kept_vs_ideal``: the sampling stats' ratio of
+    decoded tokens per kept group to its ideal, logged with them). ``zero_var_share_before``
+    counts every skipped prompt as the zero-variance group it was predicted to be (an upper
+    estimate: ``retried_informative_ratio`` says how often such a prediction was wrong)."""
     c = self.counts
     skipped = c.skipped_right + c.skipped_wrong
     return {
+        "skip/decoded_per_kept_vs_ideal": float(decoded_per_kept_vs_ideal),
+        "skip/prompts_drawn": float(c.prompts_seen),
         "skip/skipped_right": float(c.skipped_right),
         "skip/skipped_wrong": float(c.skipped_wrong),
         "skip/skipped_share": skipped / c.prompts_seen if c.prompts_seen else 0.0,

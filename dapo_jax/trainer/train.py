@@ -301,7 +301,8 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
     diag["sampling/carried_dropped_stale"] = float(dropped)
   if prefilter is not None:
     diag.update(prefilter.metrics(ds_stats.num_groups_generated,
-                                  ds_stats.num_all_correct + ds_stats.num_all_wrong))
+                                  ds_stats.num_all_correct + ds_stats.num_all_wrong,
+                                  ds_stats.decoded_per_kept_vs_ideal))
   return traj, ds_stats, diag
 
 
