@@ -11,6 +11,10 @@ A step directory holds four Orbax items: ``params`` and ``opt_state`` (any pytre
 an ``nnx.State`` and an optax state; sharded arrays are written by every shard's owner), ``meta``
 (the caller's JSON dict plus ``step``) and ``integrity`` (a fingerprint of each array item).
 
+One piece: `TrainCheckpointer`'s save, its failure accounting across attempts and its restore
+share one state (pending save, failed attempts, the newest save that landed); reading and
+verifying a step lives in `orbax_read`.
+
 What this adds to ``ocp.CheckpointManager`` so a week-long run does not lose work:
   * A kill mid-write leaves ``<step>.orbax-checkpoint-tmp``; Orbax only lists renamed (finished)
     steps, and this manager deletes such leftovers before its first save.
