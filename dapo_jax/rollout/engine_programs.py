@@ -109,14 +109,20 @@ class EnginePrograms:
                        cache_length=cache_length, mesh=mesh, paged=paged)
     # The engine's shapes and shardings, from the init program as XLA lays it out by default.
     default_init = lower_init(state, **init_static)
-    engine = _abstract(default_init.out_info, default_init.compile().output_shardings)
+    default_compiled = default_init.compile()
+    engine = _abstract(default_init.out_info, default_compiled.output_shardings)
     self.chunk = lower_chunk(state, engine, graphdef=graphdef, params=params, mesh=mesh,
                              chunk_steps=chunk_steps, max_admit=max_admit, paged=paged).compile()
     self.formats = self.chunk.input_formats[0][1]
     if jax.tree.leaves(self.chunk.output_formats[0]) != jax.tree.leaves(self.formats):
       raise RuntimeError("The compiled chunk returns the engine state in other layouts than it "
                          "takes; please report this with the model and mesh.")
-    self.init = lower_init(state, out_formats=self.formats, **init_static).compile()
+    # Where the chunk keeps XLA's default layouts (e.g. CPU), the default init is the program:
+    # lowering it again would compile (or load from the persistent cache) the same HLO twice.
+    if jax.tree.leaves(default_compiled.output_formats) == jax.tree.leaves(self.formats):
+      self.init = default_compiled
+    else:
+      self.init = lower_init(state, out_formats=self.formats, **init_static).compile()
     self._engine = engine
     self._enqueue: dict[int, Any] = {}
 
