@@ -26,16 +26,13 @@ the sync step's wall time outside the three phases.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import re
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WARM = "bench/results/ablation/warm_starts/seed{seed}_sft600"
+import _demo_runs
+
 SPLIT = ["--config.rollout_devices=1"]
 CORRECTED = ["--config.algorithm.rollout_is=token_truncated"]
 LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
@@ -54,14 +51,6 @@ LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
 _STEP_LINE = re.compile(r"^(\S+ \S+) \S+: step (\d+)/(\d+)")
 
 
-def _rows(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def _step_times(log_path: str) -> dict[int, float]:
   """Step -> the wall-clock second its log line was written."""
   out = {}
@@ -74,27 +63,19 @@ def _step_times(log_path: str) -> dict[int, float]:
   return out
 
 
+def _name(layout: str, seed: int, args) -> str:
+  return f"{layout}_s{seed}_{args.num_steps}"
+
+
 def _run(layout: str, seed: int, args) -> str:
-  workdir = os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}")
-  rows = _rows(workdir)
-  if rows and rows[-1].get("step") == args.num_steps:
-    return workdir
   devices, flags = LAYOUTS[layout]
-  cmd = [sys.executable, "-m", "dapo_jax.main", "--config=configs/tiny_cpu.py",
-         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_steps={args.num_steps}",
-         f"--config.eval.every={args.eval_every}", "--config.sft.steps=0",
-         f"--config.model.checkpoint={os.path.join(ROOT, WARM.format(seed=seed))}",
-         "--config.logging.console=lines", *flags, *args.extra]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  print(" ".join(cmd), flush=True)
-  with open(os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}.log"), "w") as log:
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
-  return workdir
+  return _demo_runs.run(_name(layout, seed, args), "configs/tiny_cpu.py", seed, args, flags,
+                  env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
 
 
 def _summary(workdir: str, log_path: str) -> dict:
-  rows = [r for r in _rows(workdir) if r["step"] > 0]
+  all_rows = _demo_runs.rows(workdir)
+  rows = [r for r in all_rows if r["step"] > 0]
   times = _step_times(log_path)
   steps = sorted(times)
   first = steps[min(1, len(steps) - 1)]
@@ -112,9 +93,7 @@ def _summary(workdir: str, log_path: str) -> dict:
   out["trainer_idle_fraction"] = out["trainer_idle_s"] / wall
   if "time/rollout_idle" in rows[-1]:
     out["rollout_idle_fraction"] = out["rollout_idle_s"] / wall
-  evals = [(r["step"], r["eval/avg@4"]) for r in _rows(workdir) if "eval/avg@4" in r]
-  out["held_out"] = evals[-1][1] if evals else None
-  out["held_out_start"] = evals[0][1] if evals else None
+  out["held_out_start"], out["held_out"] = _demo_runs.held_out(all_rows)
   out["gen_batches"] = sum(r.get("sampling/num_gen_batches", 0.0) for r in rows) / len(rows)
   if "staleness/mean" in rows[-1]:
     out["staleness_mean"] = sum(r["staleness/mean"] for r in rows) / len(rows)
@@ -124,14 +103,9 @@ def _summary(workdir: str, log_path: str) -> dict:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--num_steps", type=int, default=40)
-  ap.add_argument("--eval_every", type=int, default=20)
-  ap.add_argument("--seeds", default="0")
+  ap = _demo_runs.parser(__doc__, num_steps=40, seeds="0", workdir="/tmp/overlap_demo",
+                   out="bench/results/overlap/demo.json")
   ap.add_argument("--layouts", default="sync,sync_split,async1")
-  ap.add_argument("--workdir", default="/tmp/overlap_demo")
-  ap.add_argument("--out", default="bench/results/overlap/demo.json")
-  ap.add_argument("extra", nargs="*", help="more dapo-train flags for every run (after --)")
   args = ap.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
   seeds = [int(s) for s in args.seeds.split(",")]
@@ -141,7 +115,7 @@ def main() -> None:
     for layout in layouts:
       workdir = _run(layout, seed, args)
       result["runs"][f"{layout}_s{seed}"] = _summary(
-          workdir, os.path.join(args.workdir, f"{layout}_s{seed}_{args.num_steps}.log"))
+          workdir, _demo_runs.log_path(_name(layout, seed, args), args))
   for seed in seeds:
     base = result["runs"].get(f"sync_s{seed}")
     if base is None:
@@ -152,12 +126,7 @@ def main() -> None:
     for layout in layouts:
       r = result["runs"][f"{layout}_s{seed}"]
       r["speedup_vs_sync"] = base["wall_s_per_step"] / r["wall_s_per_step"]
-  print(json.dumps(result, indent=1))
-  out = os.path.join(ROOT, args.out)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
-
+  _demo_runs.write(result, args.out)
 
 if __name__ == "__main__":
   main()

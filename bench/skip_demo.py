@@ -21,51 +21,26 @@ over seeds, the band the on runs' held-out should fall in.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WARM = "bench/results/ablation/warm_starts/seed{seed}_sft600"
+import _demo_runs
+
 DEMOS = {"multi_epoch": "configs/tiny_cpu.py:multi_epoch", "single_epoch": "configs/tiny_cpu.py"}
 FILTER = {"off": "False", "on": "True"}
-
-
-def _rows(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def _name(demo: str, mode: str, seed: int, args) -> str:
   return f"{demo}_{mode}_s{seed}_{args.num_steps}"
 
 
-def _run(demo: str, mode: str, seed: int, args) -> str:
-  name = _name(demo, mode, seed, args)
-  workdir = os.path.join(args.workdir, name)
-  rows = _rows(workdir)
-  if rows and rows[-1].get("step") == args.num_steps:
-    return workdir  # done: read, not run again
-  cmd = [sys.executable, "-m", "dapo_jax.main", f"--config={DEMOS[demo]}",
-         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_steps={args.num_steps}",
-         f"--config.eval.every={args.eval_every}", "--config.sft.steps=0",
-         f"--config.model.checkpoint={os.path.join(ROOT, WARM.format(seed=seed))}",
-         f"--config.algorithm.skip_filter={FILTER[mode]}", "--config.logging.console=lines",
-         *args.extra]
-  print(" ".join(cmd), flush=True)
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  with open(os.path.join(args.workdir, f"{name}.log"), "w") as log:
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
-  return workdir
+def _run(demo_name: str, mode: str, seed: int, args) -> str:
+  return _demo_runs.run(_name(demo_name, mode, seed, args), DEMOS[demo_name], seed, args,
+                  [f"--config.algorithm.skip_filter={FILTER[mode]}"])
 
 
 def _summary(workdir: str) -> dict:
-  all_rows = _rows(workdir)
+  all_rows = _demo_runs.rows(workdir)
   rows = [r for r in all_rows if r["step"] > 0 and "sampling/num_gen_batches" in r]
   steady = rows[2:] or rows  # the first two steps compile
   tot = lambda k, rs=steady: sum(r.get(k, 0.0) for r in rs)
@@ -89,21 +64,14 @@ def _summary(workdir: str) -> dict:
     out["retried_informative_ratio"] = tot("skip/retried_informative", rows) / max(retried, 1.0)
     out["zero_var_share_before"] = tot("skip/zero_var_share_before", rows) / len(rows)
     out["zero_var_share_after"] = tot("skip/zero_var_share_after", rows) / len(rows)
-  evals = [(r["step"], r["eval/avg@4"]) for r in all_rows if "eval/avg@4" in r]
-  out["held_out"] = evals[-1][1] if evals else None
-  out["held_out_start"] = evals[0][1] if evals else None
+  out["held_out_start"], out["held_out"] = _demo_runs.held_out(all_rows)
   return out
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--num_steps", type=int, default=160)
-  ap.add_argument("--eval_every", type=int, default=20)
-  ap.add_argument("--seeds", default="0,1,2")
+  ap = _demo_runs.parser(__doc__, num_steps=160, seeds="0,1,2", workdir="/tmp/skip_demo",
+                   out="bench/results/skip_demo/demo.json")
   ap.add_argument("--demos", default="multi_epoch,single_epoch")
-  ap.add_argument("--workdir", default="/tmp/skip_demo")
-  ap.add_argument("--out", default="bench/results/skip_demo/demo.json")
-  ap.add_argument("extra", nargs="*", help="more dapo-train flags for every run (after --)")
   args = ap.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
   seeds = [int(s) for s in args.seeds.split(",")]
@@ -121,12 +89,7 @@ def main() -> None:
     held = [h for h in held if h is not None]
     if held:
       result["ratios"][f"{demo}_held_out_off_range"] = [min(held), max(held)]
-  print(json.dumps(result, indent=1))
-  out = os.path.join(ROOT, args.out)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
-
+  _demo_runs.write(result, args.out)
 
 if __name__ == "__main__":
   main()
