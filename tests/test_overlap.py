@@ -22,12 +22,19 @@ from tests.test_train_e2e import _small_config
 _TIMING = ("time/", "perf/")
 
 
-def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False):
+def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, endless_at=None):
   """An overlapped source over a fake rollout: weights are their version number, a batch
-  records the weights it was sampled with (and, partial, any newer ones it moved on to)."""
+  records the weights it was sampled with (and, partial, any newer ones it moved on to). The
+  batch of ``endless_at`` polls forever (10 ms a chunk), as a rollout far longer than a
+  preemption's notice."""
   calls = []
 
-  def sample(weights, step, version, newest):
+  def sample(weights, step, version, newest, check):
+    if step == endless_at:
+      calls.append((step, "started"))
+      while True:
+        check()
+        threading.Event().wait(0.01)
     if step == fail_at:
       raise RuntimeError(f"rollout failed at {step}")
     calls.append((step, version, int(weights)))
@@ -93,6 +100,24 @@ def test_partial_rollouts_move_on_to_the_newest_handed_over_version():
     assert weights == version == max(step - 2, 0)
     if newer is not None:
       assert newer[0] == newer[1] > version and step - newer[1] <= 2
+
+
+def test_close_abandons_the_batch_in_flight_at_its_next_chunk():
+  """A stopping run (SIGTERM, an error) does not wait for the rollout thread's batch ahead:
+  the sampler's check between chunks ends it, and the steps trained so far are untouched."""
+  src, calls = _source(1, end=4, endless_at=1)
+  exp = src.next(0, None)
+  assert exp.batch == 0
+  for _ in range(200):
+    if (1, "started") in calls:
+      break
+    threading.Event().wait(0.05)
+  assert (1, "started") in calls
+  closer = threading.Thread(target=src.close)
+  closer.start()
+  closer.join(timeout=10.0)
+  assert not closer.is_alive(), "close() waited for the endless batch"
+  assert not src._thread.is_alive()  # pylint: disable=protected-access
 
 
 def test_a_rollout_error_reaches_the_trainer_at_its_step():

@@ -44,9 +44,11 @@ class Experience:
   times: dict[str, float]
 
 
-# (rollout weights, step, policy version, newest) -> the step's batch. ``newest``: None, or (with
-# partial rollouts) a function giving (weights, version) of a newer published policy or None.
-SampleFn = Callable[[Any, int, int, Any], Any]
+# (rollout weights, step, policy version, newest, check) -> the step's batch. ``newest``: None,
+# or (with partial rollouts) a function giving (weights, version) of a newer published policy or
+# None. ``check``: None, or a function the sampler calls between chunks; it raises to abandon
+# the batch (a run that is stopping).
+SampleFn = Callable[[Any, int, int, Any, Any], Any]
 
 
 class SyncExperience:
@@ -60,7 +62,7 @@ class SyncExperience:
 
   def next(self, step: int, params: Any) -> Experience:
     t0 = time.perf_counter()
-    batch = self._sample(self._to_rollout(params), step, step, None)
+    batch = self._sample(self._to_rollout(params), step, step, None, None)
     return Experience(step, step, batch, self._resume_state(),
                       {"rollout": time.perf_counter() - t0})
 
@@ -76,7 +78,7 @@ class SyncExperience:
 
 
 class _Stopped(Exception):
-  """The source was closed while the rollout thread waited."""
+  """The source was closed while the rollout thread waited or sampled."""
 
 
 class OverlappedExperience:
@@ -154,7 +156,9 @@ class OverlappedExperience:
       yield
 
   def close(self) -> None:
-    """Stops the thread once its batch in flight is done (nothing is cut mid-batch)."""
+    """Stops the thread: a batch in flight is abandoned at the sampler's next chunk (a stopping
+    run checkpoints the step it trained, never a batch ahead of it, so nothing is lost; a
+    preempted run need not wait for a whole rollout)."""
     with self._cond:
       self._stop = True
       self._cond.notify_all()
@@ -178,7 +182,8 @@ class OverlappedExperience:
         jax.block_until_ready(weights)  # the move, if still under way
         t2 = time.perf_counter()
         with self._engine:
-          batch = self._sample(weights, step, v, self._newer(v) if self.partial else None)
+          batch = self._sample(weights, step, v, self._newer(v) if self.partial else None,
+                               self._check_stop)
           resume = self._resume_state()
         t3 = time.perf_counter()
         out: Experience | BaseException = Experience(
@@ -198,6 +203,10 @@ class OverlappedExperience:
       if isinstance(out, BaseException):
         return
 
+
+  def _check_stop(self) -> None:
+    if self._stop:
+      raise _Stopped()
 
   def _newer(self, version: int) -> Callable[[], tuple[Any, int] | None]:
     """For a batch started with ``version``: a function giving the newest handed-over weights

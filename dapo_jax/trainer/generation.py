@@ -165,6 +165,7 @@ class ScoringStream:
     self._records: dict[int, MathRecord] = {}
     self._next = 0  # ``generate`` continues after the last index admitted
     self._newest = None  # `follow`
+    self.check = None  # called before each poll; raises to abandon the batch (a stopping run)
     self.prompts_truncated = 0  # admitted prompts cut to max_prompt_length (data.truncate)
 
   def follow(self, newest, version: int) -> None:
@@ -191,6 +192,8 @@ class ScoringStream:
     return int(getattr(self._stream, "admission_block", 1))
 
   def poll(self) -> list[tuple[int, ScoredGroup]]:
+    if self.check is not None:
+      self.check()
     start = time.perf_counter()
     newer = self._newest() if self._newest is not None else None
     if newer is not None:

@@ -253,8 +253,8 @@ def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
   return state, before
 
 
-def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int, newest=None
-            ) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
+def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int, newest=None,
+            check=None) -> tuple[Trajectories, SamplingStats, dict[str, float]]:
   """Dynamic sampling (spec 5) of step ``step``'s batch with rollout ``weights`` (policy
   ``version``); the step's sampling diagnostics (`diagnostics.sampling_metrics`).
 
@@ -265,12 +265,15 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
   ``algorithm.max_staleness`` k >= 1, carried groups that would train more than k versions
   after their policy are dropped first (counted). ``newest`` (partial rollouts,
   `experience.OverlappedExperience`): newer weights the samples in flight continue with.
+  ``check`` (the overlapped rollout thread): called before each poll of the stream; it raises
+  to abandon the batch when the run stops.
   """
   loop = spec.algorithm.sampling_loop
   dropped = _drop_stale_carried(run, step, spec.algorithm.max_staleness)
   stream = run.generator.stream(weights, rollout_key(spec.seed, step))
   if newest is not None:
     stream.follow(newest, version)
+  stream.check = check
   batches = pipeline.global_batches(run.iterator)
   prefilter = run.sampler.prefilter
   if prefilter is not None:
