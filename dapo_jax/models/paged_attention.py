@@ -54,6 +54,10 @@ PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
 # ragged_paged_attention's (KV pages, queries) per block where its tuned table has no entry for
 # the device at hand (a compile-only TPU client reports a CPU device): the kernel's own default.
 RAGGED_BLOCKS = (128, 32)
+# The KV pages one ragged block holds, double-buffered, at most: half the 16 MiB of scoped VMEM
+# Mosaic gives a kernel by default (Qwen3-8B at tensor 4, 128 pages of 2 x 2 heads x 128 x 64
+# tokens, needed 16.41 MiB and failed to compile for v5p; Qwen2.5-32B at tensor 8 uses 8 MiB).
+RAGGED_KV_BLOCK_BYTES = 8 * 2**20
 BLOCK_TOKENS = 256  # tokens per kernel compute block (and per step of the reference off CPU)
 BLOCK_TOKENS_CPU = 4096  # tokens per step of the reference loop on CPU
 TPU_LANES = 128  # the TPU kernels' head_dim must be a multiple of this (Mosaic's lane width)
@@ -245,6 +249,21 @@ def combine_kv(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array) -> jax.Array:
       p, t, 2 * kh, e)
 
 
+def ragged_blocks(q_NxHxE, kv_PxTx2KxE, pages_per_seq: int, num_slots: int) -> tuple[int, int]:
+  """(KV pages, queries) per block of `ragged_paged_attention` where its tuned table does not
+  apply: the kernel's default (RAGGED_BLOCKS) capped by the sequence's pages, the slots and
+  RAGGED_KV_BLOCK_BYTES for the block's KV pages, double-buffered, at the heads per block the
+  kernel picks."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
+  _, page_size, combined, head_dim = kv_PxTx2KxE.shape
+  _, kv_heads_per_block = get_min_heads_per_blk(q_NxHxE.shape[1], combined, q_NxHxE.dtype,
+                                                kv_PxTx2KxE.dtype)
+  page_bytes = 2 * page_size * kv_heads_per_block * head_dim * jnp.dtype(kv_PxTx2KxE.dtype).itemsize
+  pages = min(pages_per_seq, RAGGED_BLOCKS[0], max(1, RAGGED_KV_BLOCK_BYTES // page_bytes))
+  return pages, min(num_slots, RAGGED_BLOCKS[1])
+
+
 def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: jax.Array,
                          length_N: jax.Array) -> jax.Array:
   """One decode token per slot through `...ops.tpu.ragged_paged_attention` (libtpu only)."""
@@ -257,8 +276,9 @@ def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: 
   cu_q_lens = jnp.arange(n + 1, dtype=jnp.int32)  # one query token per slot
   if tuned_block_sizes.get_tpu_version() >= 4:  # on a TPU: its tuned table
     pages, queries = None, None
-  else:  # compiling for a TPU from another host: the kernel's untuned default, capped as it does
-    pages, queries = min(table.shape[1], RAGGED_BLOCKS[0]), min(n, RAGGED_BLOCKS[1])
+  else:  # compiling for a TPU from another host: the kernel's untuned default, capped as it
+    # does, with no more pages a block than fit the scoped VMEM (RAGGED_KV_BLOCK_BYTES)
+    pages, queries = ragged_blocks(q_NxHxE, kv_PxTx2KxE, table.shape[1], n)
   return ragged_paged_attention(q_NxHxE, kv_PxTx2KxE, length, table, cu_q_lens,
                                 jnp.array([n], jnp.int32), sm_scale=e ** -0.5,
                                 num_kv_pages_per_block=pages, num_queries_per_block=queries)
