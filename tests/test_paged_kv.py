@@ -345,9 +345,11 @@ def test_gpu_kernel_reads_a_stacked_pool_in_place():
 @pytest.mark.parametrize("n,h,kh,e,p,t,m", [
     (8, 16, 8, 128, 64, 16, 8),
     # Qwen3-8B's shard at tensor 4 (8 query, 2 KV heads, 64-token pages, 352 pages a sequence):
-    # 128 pages a block needed 16.41 MiB of the 16 MiB scoped VMEM before RAGGED_KV_BLOCK_BYTES.
+    # 128 pages a block needed 16.41 MiB of the 16 MiB scoped VMEM before RAGGED_BLOCK_BYTES.
     (256, 8, 2, 128, 512, 64, 352),
-], ids=["small", "qwen3_8b_tensor4"])
+    # Qwen3-32B's at tensor 8 (8 query heads, 1 KV head, 64 slots): 18.73 MiB at 128 pages.
+    (64, 8, 1, 128, 512, 64, 352),
+], ids=["small", "qwen3_8b_tensor4", "qwen3_32b_tensor8"])
 def test_ragged_kernel_compiles_for_tpu(n, h, kh, e, p, t, m):
   from dapo_jax.planner import targets as plan_targets  # pylint: disable=g-import-not-at-top
   plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1")
@@ -416,22 +418,17 @@ def test_paged_decode_step_equals_dense_decode_step(scan, impl):
   assert int(paged.free_pages()) == 12 - 5 - 6
 
 
-def test_ragged_blocks_keep_the_kv_block_within_the_scoped_vmem_budget():
+def test_ragged_blocks_keep_the_block_within_the_scoped_vmem_budget():
   """Off a TPU the ragged kernel's (pages, queries) per block: its default (128, 32), capped by
-  the sequence's pages and slots, and by RAGGED_KV_BLOCK_BYTES for the double-buffered KV."""
+  the sequence's pages and slots, then halved until RAGGED_BLOCK_BYTES' estimate fits."""
   spec = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  # Qwen2.5-32B at tensor 8: 1 KV head a shard, a 64-token page 32 KiB: 128 pages = 8 MiB.
-  assert pa.ragged_blocks(spec((256, 5, 128), bf16), spec((9, 64, 2, 128), bf16), 352, 256) == (
-      128, 32)
-  # Qwen3-8B at tensor 4: 2 KV heads, 64 KiB a page: 64 pages.
-  assert pa.ragged_blocks(spec((256, 8, 128), bf16), spec((9, 64, 4, 128), bf16), 352, 256) == (
-      64, 32)
-  # A short sequence or few slots cap it first; fp32 KV halves the pages.
-  assert pa.ragged_blocks(spec((4, 8, 128), bf16), spec((9, 64, 4, 128), bf16), 10, 4) == (10, 4)
-  assert pa.ragged_blocks(spec((256, 8, 128), jnp.float32), spec((9, 64, 4, 128), jnp.float32),
-                          352, 256)[0] == 32
-  for q, kv in [((256, 8, 128), (9, 64, 4, 128)), ((256, 16, 128), (9, 128, 16, 128))]:
-    pages, _ = pa.ragged_blocks(spec(q, bf16), spec(kv, bf16), 4096, 256)
-    _, page_size, combined, head_dim = kv
-    assert 2 * pages * page_size * min(combined, 16) * head_dim * 2 <= pa.RAGGED_KV_BLOCK_BYTES
+  blocks = lambda q, kv, m, n, dtype=bf16: pa.ragged_blocks(spec(q, dtype), spec(kv, dtype), m, n)
+  # Qwen2.5-32B at tensor 8 (5 query heads, 1 KV head): compiled at 128 pages; kept.
+  assert blocks((256, 5, 128), (9, 64, 2, 128), 352, 256) == (128, 32)
+  # Qwen3-8B at tensor 4 and Qwen3-32B at tensor 8: out of scoped VMEM at 128, fit at 64.
+  assert blocks((256, 8, 128), (9, 64, 4, 128), 352, 256) == (64, 32)
+  assert blocks((64, 8, 128), (9, 64, 2, 128), 352, 64) == (64, 32)
+  # A short sequence or few slots cap it first; fp32 KV takes fewer pages.
+  assert blocks((4, 8, 128), (9, 64, 4, 128), 10, 4) == (10, 4)
+  assert blocks((256, 8, 128), (9, 64, 4, 128), 352, 256, jnp.float32)[0] == 32

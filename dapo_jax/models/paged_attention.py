@@ -54,10 +54,13 @@ PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
 # ragged_paged_attention's (KV pages, queries) per block where its tuned table has no entry for
 # the device at hand (a compile-only TPU client reports a CPU device): the kernel's own default.
 RAGGED_BLOCKS = (128, 32)
-# The KV pages one ragged block holds, double-buffered, at most: half the 16 MiB of scoped VMEM
-# Mosaic gives a kernel by default (Qwen3-8B at tensor 4, 128 pages of 2 x 2 heads x 128 x 64
-# tokens, needed 16.41 MiB and failed to compile for v5p; Qwen2.5-32B at tensor 8 uses 8 MiB).
-RAGGED_KV_BLOCK_BYTES = 8 * 2**20
+# What a ragged block may take of the 16 MiB of scoped VMEM Mosaic gives a kernel by default, in
+# the model `ragged_blocks` uses: its KV pages, double-buffered, plus the fp32 scores of its
+# queries (queries x query heads a KV head x the block's tokens). Fitted on libtpu 0.0.42.1 for
+# v5p: estimated 13 MiB compiled (Qwen2.5-32B's shard at tensor 8, 128 pages), 16 MiB
+# (Qwen3-32B's at tensor 8, 64 slots) and 20 MiB (Qwen3-8B's at tensor 4) did not
+# (CompileTimeScopedVmemOom at 18.73 and 16.41 MiB); both fit at 64 pages.
+RAGGED_BLOCK_BYTES = 14 * 2**20
 BLOCK_TOKENS = 256  # tokens per kernel compute block (and per step of the reference off CPU)
 BLOCK_TOKENS_CPU = 4096  # tokens per step of the reference loop on CPU
 TPU_LANES = 128  # the TPU kernels' head_dim must be a multiple of this (Mosaic's lane width)
@@ -251,17 +254,24 @@ def combine_kv(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array) -> jax.Array:
 
 def ragged_blocks(q_NxHxE, kv_PxTx2KxE, pages_per_seq: int, num_slots: int) -> tuple[int, int]:
   """(KV pages, queries) per block of `ragged_paged_attention` where its tuned table does not
-  apply: the kernel's default (RAGGED_BLOCKS) capped by the sequence's pages, the slots and
-  RAGGED_KV_BLOCK_BYTES for the block's KV pages, double-buffered, at the heads per block the
-  kernel picks."""
+  apply: the kernel's default (RAGGED_BLOCKS) capped by the sequence's pages and the slots, then
+  halved until the block's estimate (RAGGED_BLOCK_BYTES) fits, at the heads per block the kernel
+  picks."""
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
   _, page_size, combined, head_dim = kv_PxTx2KxE.shape
-  _, kv_heads_per_block = get_min_heads_per_blk(q_NxHxE.shape[1], combined, q_NxHxE.dtype,
+  q_heads = q_NxHxE.shape[1]
+  _, kv_heads_per_block = get_min_heads_per_blk(q_heads, combined, q_NxHxE.dtype,
                                                 kv_PxTx2KxE.dtype)
-  page_bytes = 2 * page_size * kv_heads_per_block * head_dim * jnp.dtype(kv_PxTx2KxE.dtype).itemsize
-  pages = min(pages_per_seq, RAGGED_BLOCKS[0], max(1, RAGGED_KV_BLOCK_BYTES // page_bytes))
-  return pages, min(num_slots, RAGGED_BLOCKS[1])
+  queries = min(num_slots, RAGGED_BLOCKS[1])
+  ratio = q_heads // (combined // 2)  # query heads a KV head
+  page_bytes = (2 * page_size * kv_heads_per_block * head_dim
+                * jnp.dtype(kv_PxTx2KxE.dtype).itemsize  # KV, double-buffered
+                + queries * ratio * page_size * 4)  # fp32 scores
+  pages = min(pages_per_seq, RAGGED_BLOCKS[0])
+  while pages > 1 and pages * page_bytes > RAGGED_BLOCK_BYTES:
+    pages //= 2
+  return pages, queries
 
 
 def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: jax.Array,
@@ -277,7 +287,7 @@ def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: 
   if tuned_block_sizes.get_tpu_version() >= 4:  # on a TPU: its tuned table
     pages, queries = None, None
   else:  # compiling for a TPU from another host: the kernel's untuned default, capped as it
-    # does, with no more pages a block than fit the scoped VMEM (RAGGED_KV_BLOCK_BYTES)
+    # does, with no more pages a block than fit the scoped VMEM (RAGGED_BLOCK_BYTES)
     pages, queries = ragged_blocks(q_NxHxE, kv_PxTx2KxE, table.shape[1], n)
   return ragged_paged_attention(q_NxHxE, kv_PxTx2KxE, length, table, cu_q_lens,
                                 jnp.array([n], jnp.int32), sm_scale=e ** -0.5,
