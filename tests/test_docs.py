@@ -350,8 +350,14 @@ def _placeholder_or(kind):
 
 @functools.cache
 def _script_parser(path: str):
-  """(parser rebuilt from the script's add_argument calls or None, parse_known_args?, source)."""
+  """(parser rebuilt from the script's add_argument calls or None, parse_known_args?, source).
+  Flags a sibling module the script imports adds (bench/_demo_runs.py's shared ones) count."""
   source = open(os.path.join(ROOT, path), encoding="utf-8").read()
+  for node in ast.walk(ast.parse(source)):
+    for alias in node.names if isinstance(node, ast.Import) else []:
+      sibling = os.path.join(ROOT, os.path.dirname(path), alias.name + ".py")
+      if os.path.isfile(sibling):
+        source += "\n" + open(sibling, encoding="utf-8").read()
   calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
            and isinstance(n.func, ast.Attribute) and n.func.attr == "add_argument"]
   if not calls:
