@@ -29,9 +29,10 @@ def test_config_loads_validates_and_names_its_command(path):
 
 
 @pytest.mark.parametrize("name,preset", [("dapo_qwen2_5_32b", "qwen2.5-32b"),
-                                         ("dapo_qwen3_8b_base", "qwen3-8b")])
+                                         ("dapo_qwen3_8b_base", "qwen3-8b"),
+                                         ("dapo_qwen3_32b_base", "qwen3-32b")])
 def test_32b_config_matches_the_paper_table(name, preset):
-  """The paper's recipe (32B), and the Qwen3-8B-Base config that restates it at 8B."""
+  """The paper's recipe (32B), and the Qwen3 configs that restate it at 8B and 32B."""
   c = _load(os.path.join(ROOT, "configs", f"{name}.py")).get_config()
   expected = {  # docs/algorithm.md section 8 (and sections 1, 2, 6)
       "model.preset": preset,
