@@ -10,17 +10,12 @@ dapo-plan on tpu:v5p:2x4x4 (v5p-64, compiled through libtpu; docs/planning.md): 
 71.58 GiB a chip at micro-batch 8, the rollout phase with the continuous engine 65.85 GiB at 256
 slots and 89.59 GiB at the 1,660 slots its pool fits: fits in 95.7 GiB, as Qwen2.5-32B does."""
 
-import importlib.util
-import os
+from dapo_jax.config import sibling_config
 
 
 def get_config(arg: str | None = None):
   del arg
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dapo_qwen3_8b_base.py")
-  spec = importlib.util.spec_from_file_location("dapo_qwen3_8b_base", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = sibling_config(__file__, "dapo_qwen3_8b_base")
   c.model.preset = "qwen3-32b"
   c.mesh = [("data", -1), ("fsdp", 4), ("tensor", 8)]
   c.optim.micro_batch_size = 8  # the planned train step (dapo-plan: 71.58 GiB a chip)

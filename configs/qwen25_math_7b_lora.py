@@ -9,17 +9,12 @@ tpu:v5e:2x4 (compiled): train step 6.58 GiB, rollout phase 13.25 GiB per chip wi
 slots: fits in 16 GiB; full fine-tuning does not (analytic train step 20.2 GiB). docs/lora.md
 has the rows for v5e-8 and v4-8."""
 
-import importlib.util
-import os
+from dapo_jax.config import sibling_config
 
 
 def get_config(arg: str | None = None):
   del arg
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dapo_qwen2_5_math_7b.py")
-  spec = importlib.util.spec_from_file_location("dapo_qwen2_5_math_7b", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = sibling_config(__file__, "dapo_qwen2_5_math_7b")
   c.model.lora.update(rank=32, alpha=64.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
   c.optim.lr = 1e-5
   # One v5e-8 / v4-8 slice: the frozen base split over 8 chips (fsdp 2 x tensor 4).

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import os
 from typing import Iterator
 
 import ml_collections
@@ -35,6 +37,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class ConfigError(ValueError):
   """A config value a run cannot use; the message names the field and a value that works."""
+
+
+def sibling_config(config_file: str, name: str,
+                   arg: str | None = None) -> ml_collections.ConfigDict:
+  """``get_config(arg)`` of ``name``.py beside ``config_file`` (a config built on another)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
 
 
 def default_config() -> ml_collections.ConfigDict:
