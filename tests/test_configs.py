@@ -112,3 +112,18 @@ def test_verl_warmup_and_micro_batch_loss_are_run_config_keys():
     c.optim[field] = "linear"
     with pytest.raises(ValueError, match=f"optim.{field}"):
       config_lib.validate(c)
+
+
+def test_the_cpu_demo_keeps_every_prompt_whole():
+  """configs/tiny_cpu.py's prompt limit is the longest prompt it renders (issue 41: at 24 left
+  truncation cut the opening <|im_start|> from the 3-operand prompts, 25 tokens)."""
+  from dapo_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  spec = RunSpec.from_config(_load(os.path.join(ROOT, "configs", "tiny_cpu.py")).get_config(), 1)
+  tok = run_setup.build_tokenizer(spec.tokenizer)
+  for split, name in (("train", spec.data.train), ("eval", spec.data.eval)):
+    records = run_setup.load_dataset(name, spec.data, spec.seed, split)
+    over, distinct, longest = pipeline.overlong_prompts(records, tok, spec.data.max_prompt_length)
+    assert over == 0 and distinct > 100, (split, over, distinct)
+    assert longest == spec.data.max_prompt_length, (split, longest)  # no padding to spare

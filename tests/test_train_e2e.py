@@ -30,6 +30,9 @@ def _small_config(**over):
                            num_attention_heads=2, num_key_value_heads=1,
                            max_position_embeddings=64)
   c.sft.steps = 0
+  # 24, as the golden files were recorded (tests/golden): one token under a 3-operand prompt,
+  # so the runs also take the truncation path (data/prompts_truncated).
+  c.data.max_prompt_length = 24
   c.rollout.n = 4
   c.rollout.max_response_length = 12
   c.reward.overlong_buffer_len = 4
