@@ -64,8 +64,9 @@ def get_config(arg: str | None = None):
   c.optim.warmup_steps = 2
   c.optim.weight_decay = 0.0
 
-  # 600 warm-start steps leave the policy near 48% held-out (300 steps: 18%, where half the
-  # groups are all-wrong and DAPO gains ~11 points in 160 steps; measured, docs/fidelity.md).
+  # 600 warm-start steps leave the policy at 36% held-out with whole prompts (45-56% when
+  # 3-operand prompts were cut to 24 tokens; 300 steps: 18%, where half the groups are
+  # all-wrong and DAPO gains ~11 points in 160 steps; measured, docs/fidelity.md).
   c.sft.update(steps=600, batch_size=64, lr=3e-3, warmup_steps=20)
   c.eval.update(every=20, num_samples=4, temperature=1.0, top_p=0.7, batch_size=128)
   c.checkpoint.update(save_every=10, max_to_keep=2, async_save=True)
