@@ -54,3 +54,37 @@ def test_mesh_overrides_and_home_expansion(monkeypatch, tmp_path):
     cli.parse("prog", "doc", ["--config.seed=1"])
   with pytest.raises(flags.Error, match="unexpected arguments"):
     cli.parse("prog", "doc", [f"--config={TINY}", "stray"])
+
+
+_EXITING = """
+import atexit, logging, sys
+import jax, jax.numpy as jnp
+from dapo_jax.spec import cli
+log = sys.argv[1]
+atexit.register(lambda: open(log + ".atexit", "w").write("ran"))
+def main(argv):
+  logging.basicConfig(filename=log, level=logging.INFO)
+  logging.info("logged before the exit")
+  jnp.ones(3).sum().block_until_ready()  # a backend and a compiled program to tear down
+  print("no newline yet", end="")
+  if argv[-1] == "bad":
+    raise ValueError("bad input")
+  return 0
+cli.exit_on_error("prog", main)
+"""
+
+
+@pytest.mark.parametrize("arg,code", [("ok", 0), ("bad", 2)])
+def test_a_finished_command_exits_without_teardown_and_loses_no_output(tmp_path, arg, code):
+  """The console path ends with os._exit (no JAX teardown, no atexit hooks: issue 41) after
+  flushing the log handlers and standard streams; the exit code is kept."""
+  log = str(tmp_path / "log.txt")
+  proc = subprocess.run([sys.executable, "-c", _EXITING, log, arg], capture_output=True,
+                        text=True, timeout=120, cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == code, proc.stderr
+  assert proc.stdout == "no newline yet"
+  assert "logged before the exit" in open(log).read()
+  assert not os.path.exists(log + ".atexit")  # the interpreter's exit hooks were skipped
+  if code:
+    assert proc.stderr.strip().endswith("prog: error: bad input")
