@@ -477,3 +477,27 @@ def test_lora_step_flops_and_memory_by_hand():
   adapted = dataclasses.replace(adapted, mesh=(("data", 4), ("fsdp", 1), ("tensor", 2)))
   assert plan_est.lora_rollout_bytes(adapted, mcfg, 8, rparams)["resident"] == 0
   assert "lora_rollout" not in plan_lib.make_plan(full, target)
+
+
+class _RefusedProgram:
+  """A lowered program whose compile fails as libtpu's scoped-VMEM check did (issue 40)."""
+
+  def as_text(self):
+    return "module @jit_chunk_program attributes {mhlo.num_partitions = 8 : i32} {\n..."
+
+  def compile(self):
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem "
+        "while allocating on stack for %ragged_paged_attention.\nScoped allocation with size "
+        "16.41M and limit 16.00M exceeded for scoped vmem\n" + "detail line\n" * 50)
+
+
+def test_a_compiler_refusal_other_than_hbm_is_one_line_naming_the_program(capsys):
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    cli.exit_on_error("dapo-plan", lambda argv: plan_programs._compile(_RefusedProgram()), [])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and err.startswith("dapo-plan: error: The compiler refused the program "
+                                            "jit_chunk_program: RESOURCE_EXHAUSTED"), err
+  assert "16.41M and limit 16.00M" in err and "detail line" not in err

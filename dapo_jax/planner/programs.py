@@ -77,16 +77,35 @@ def _to_bytes(number: str, unit: str) -> int:
   return int(float(number) * 1024**"_KMGT".index(unit or "_"))
 
 
+class ProgramCompileError(ValueError):
+  """The compiler refused a program for another reason than HBM (e.g. a kernel's scoped VMEM):
+  one line naming the program and the compiler's first words (dapo-plan exits 2 with it)."""
+
+
+def _refused(lowered, err: Exception) -> ProgramCompileError:
+  try:
+    m = re.search(r"module @(\S+)", lowered.as_text()[:2000])
+  except Exception:  # pylint: disable=broad-except
+    m = None
+  lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+  what = " ".join(lines[:2])
+  what = what if len(what) <= 400 else what[:400] + " ..."
+  return ProgramCompileError(
+      f"The compiler refused the program {m.group(1) if m else '(unnamed)'}: {what} (a config "
+      "this target cannot compile, or a bug to report with the command)")
+
+
 def _compile(lowered) -> tuple[Any, dict[str, Any] | None, float]:
   """(compiled, None, seconds), or (None, what the compiler lacked, seconds) when libtpu refuses
-  a program that cannot fit in HBM (it says by how much)."""
+  a program that cannot fit in HBM (it says by how much); any other refusal raises
+  `ProgramCompileError`."""
   start = time.perf_counter()
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as err:
     m = _OOM.search(str(err))
     if "RESOURCE_EXHAUSTED" not in str(err) or m is None:
-      raise
+      raise _refused(lowered, err) from err
     return None, {"what": m.group(1), "required": _to_bytes(m.group(2), m.group(3)),
                   "available": _to_bytes(m.group(4), m.group(5))}, time.perf_counter() - start
   return compiled, None, time.perf_counter() - start
