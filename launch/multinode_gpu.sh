@@ -62,8 +62,8 @@ done
                                  "(relative paths start at $PWD)" >&2; exit 2; }
 # The flags dapo-plan's GPU rows assume (dapo_jax/planner/gpu_targets.py; NCCL: its defaults).
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-case " ${XLA_FLAGS:-} " in
-  *" --xla_gpu_enable_latency_hiding_scheduler="*) ;;
+case "${JAX_PLATFORMS:-} ${XLA_FLAGS:-} " in
+  cpu\ *|*" --xla_gpu_enable_latency_hiding_scheduler="*) ;;  # a CPU rehearsal: no GPU flags
   *) export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true" ;;
 esac
 if [ -z "$gpu" ] && [ "$dry" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then

@@ -200,3 +200,21 @@ def test_gpu_plan_preflight_refuses_a_config_that_does_not_fit():
   out = _sh(base + ["--nodes", "1", "--config", "configs/tiny_cpu.py"])
   assert out.returncode == 0, out.stderr
   assert "fits gpu:h100:1x8" in out.stderr
+
+
+@pytest.mark.parametrize("platforms,gpu_flag", [("cpu", False), ("", True)])
+def test_multinode_gpu_adds_gpu_flags_only_off_cpu(tmp_path, platforms, gpu_flag):
+  """A CPU rehearsal of the GPU launcher (JAX_PLATFORMS=cpu) gets no GPU-only XLA flag; a GPU
+  run gets the flags dapo-plan's GPU rows assume. (dapo-train here: a stand-in printing them.)"""
+  fake = tmp_path / "dapo-train"
+  fake.write_text('#!/usr/bin/env bash\necho "XLA_FLAGS=[$XLA_FLAGS]"\n')
+  fake.chmod(0o755)
+  out = _sh(["bash", "launch/multinode_gpu.sh", "--coordinator=h:1", "--nodes", "1", "--rank",
+             "0", "--config", "configs/tiny_cpu.py", "--workdir", str(tmp_path / "w"),
+             "--skip-plan"],
+            env={"PATH": f"{tmp_path}:{os.environ['PATH']}", "JAX_PLATFORMS": platforms,
+                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert out.returncode == 0, out.stderr
+  expected = "--xla_force_host_platform_device_count=2" + (
+      " --xla_gpu_enable_latency_hiding_scheduler=true" if gpu_flag else "")
+  assert out.stdout.strip() == f"XLA_FLAGS=[{expected}]", out.stdout
