@@ -137,6 +137,10 @@ def test_changes_are_classified():
       "seed", "model.overrides.hidden_size", "model.preset", "optim.lr", "rollout.n",
       "algorithm.loss_agg_mode", "algorithm.gen_batch_size", "eval.num_samples", "data.train",
       "eval", "checkpointx"))
+  # The checkpoint cadence is the overlapped schedule's (max_staleness > 0), not otherwise.
+  assert run_config.is_safe("checkpoint.save_every", {"algorithm.max_staleness": 0})
+  assert not run_config.is_safe("checkpoint.save_every", {"algorithm.max_staleness": 2})
+  assert run_config.is_safe("checkpoint.async_save", {"algorithm.max_staleness": 2})
   # A key the old file lacks is compared with the schema default (a field added since).
   from dapo_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   new = json.loads(config_lib.default_config().to_json_best_effort())
@@ -174,3 +178,21 @@ def test_a_gs_workdir_refuses_without_writing(tmp_path, capsys, monkeypatch):
     emu.stop()
     from etils.epath import gpath  # pylint: disable=g-import-not-at-top
     gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("staleness,refused", [(0, False), (1, True)])
+def test_the_checkpoint_cadence_of_an_overlapped_run_is_part_of_the_run(tmp_path, staleness,
+                                                                         refused):
+  """checkpoint.save_every may change on a resume, except where it sets the overlapped
+  schedule (a step samples with the newest checkpoint's weights when newer than t - k)."""
+  workdir = str(tmp_path / "run")
+  flags = [f"--config={TINY}", *RUN_FLAGS, f"--config.algorithm.max_staleness={staleness}"]
+  run_config.record(run_config.check(workdir, cli.parse("dapo-train", "", flags).config), None)
+  os.makedirs(os.path.join(workdir, "checkpoints", "3"))
+  (epath.Path(workdir) / "checkpoints" / "3" / "_CHECKPOINT_METADATA").write_text("{}")
+  changed = cli.parse("dapo-train", "", [*flags, "--config.checkpoint.save_every=5"]).config
+  if refused:
+    with pytest.raises(run_config.ConfigChangeError, match="checkpoint.save_every 1 -> 5"):
+      run_config.check(workdir, changed)
+  else:
+    assert run_config.check(workdir, changed).changes == {"checkpoint.save_every": (1, 5)}

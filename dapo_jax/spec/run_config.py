@@ -132,7 +132,21 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]
   return out
 
 
-def is_safe(key: str) -> bool:
+# Safe keys that change the run in some configs: key -> (whether it does, given the new
+# config's flat dict; why).
+UNSAFE_WHEN = {
+    "checkpoint.save_every": (
+        lambda flat: (flat.get("algorithm.max_staleness") or 0) > 0,
+        "an overlapped step samples with the newest checkpoint's weights when they are newer "
+        "than t - k (docs/overlap.md), so the cadence sets which policy samples each step"),
+}
+
+
+def is_safe(key: str, flat: dict[str, Any] | None = None) -> bool:
+  """Whether a resume may change ``key``; ``flat``: the new config (`flatten`), for the keys
+  of `UNSAFE_WHEN`."""
+  if flat is not None and key in UNSAFE_WHEN and UNSAFE_WHEN[key][0](flat):
+    return False
   return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_KEYS)
 
 
@@ -209,7 +223,8 @@ def check(workdir: epath.PathLike, config: ml_collections.ConfigDict,
   if old is None:
     return Launch(workdir, new, {}, [], first=True, index=index)
   changes = diff(old, new)
-  unsafe = {k: v for k, v in changes.items() if not is_safe(k)}
+  flat = flatten(new)
+  unsafe = {k: v for k, v in changes.items() if not is_safe(k, flat)}
   refused = {k: v for k, v in unsafe.items() if not _matches(k, allow)}
   if refused:
     steps = _checkpoint_steps(workdir)
