@@ -20,6 +20,22 @@ import time
 from dapo_jax.planner import gpu_targets
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def largest_arrays(hlo: str, top: int = 8) -> list[str]:
+  """The biggest distinct array shapes the compiled HLO names (per device), with their GiB:
+  what the temporaries are made of (shapes, not liveness)."""
+  sizes = {}
+  for dtype, dims in re.findall(r"\b(pred|s8|u8|bf16|f16|s32|u32|f32)\[([\d,]+)\]", hlo):
+    n = 1
+    for d in dims.split(","):
+      n *= int(d)
+    sizes[f"{dtype}[{dims}]"] = n * _BYTES[dtype]
+  big = sorted(sizes.items(), key=lambda kv: -kv[1])[:top]
+  return [f"{shape} {size / 2**30:.2f} GiB" for shape, size in big]
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--target", default="gpu:h100:16x8")
@@ -58,7 +74,8 @@ def main() -> None:
   out = {"target": args.target, "layers": args.layers, "tokens": tokens, "remat": spec.model.remat,
          "attention_auto": impl, "cudnn_calls": dict(calls),
          "triton_fusions": hlo.count('"__triton"') + hlo.count("__triton_gemm"),
-         "TxT_shapes": txt, "memory": mem, "compile_seconds": round(seconds, 1)}
+         "TxT_shapes": txt, "largest_arrays": largest_arrays(hlo), "memory": mem,
+         "compile_seconds": round(seconds, 1)}
   print(json.dumps(out))
   gib = 2**30
   print(f"train step, {args.layers} layers, {tokens} tokens, remat {spec.model.remat}: attention "

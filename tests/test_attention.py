@@ -240,3 +240,29 @@ def test_kv_cache_copy_row_is_insert_of_one_row(stacked):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not np.asarray(got.valid)[3, 7:].any()
+
+
+def test_the_cudnn_padding_bias_with_its_causal_flag_is_the_dense_mask():
+  """cuDNN gets the causal flag and `padding_bias` (keys only) instead of the dense mask: the
+  same attention, checked with jax.nn's XLA implementation of those very arguments (cuDNN itself
+  needs a GPU)."""
+  q, k, v = _qkv(seed=3)
+  valid = _padded_valid()
+  mask = _causal_mask(valid)
+  bias = attention.padding_bias(mask, T, q.dtype)
+  assert bias.shape == (B, 1, T, T)
+  out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
+  ref = attention.dot_product_attention(q, k, v, mask, impl="xla")
+  np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
+
+
+def test_cudnn_is_used_only_where_the_batch_divides_its_mesh_axes():
+  """cuDNN's custom partitioner refuses a batch its mesh axes do not divide (GSPMD would pad):
+  a prefill of 6 prompts on 8 GPUs failed to compile (IndivisibleError). Such a call takes the
+  XLA path; a dividing batch keeps cuDNN (its compile: tests/test_plan_gpu.py)."""
+  mesh = shd.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 1)])
+  assert mesh.size == 8
+  with shd.activation_sharding(mesh, shd.SAMPLE_RULES):
+    assert attention._batch_divides_its_mesh_axes(16)  # pylint: disable=protected-access
+    assert not attention._batch_divides_its_mesh_axes(6)  # pylint: disable=protected-access
+  assert attention._batch_divides_its_mesh_axes(6)  # no activation mesh: nothing to check

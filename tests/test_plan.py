@@ -501,3 +501,14 @@ def test_a_compiler_refusal_other_than_hbm_is_one_line_naming_the_program(capsys
   assert "\n" not in err and err.startswith("dapo-plan: error: The compiler refused the program "
                                             "jit_chunk_program: RESOURCE_EXHAUSTED"), err
   assert "16.41M and limit 16.00M" in err and "detail line" not in err
+
+
+def test_a_refusal_raised_inside_the_compiler_names_its_python_error():
+  class _Partitioner(_RefusedProgram):
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(
+          "INTERNAL: custom_partitioner: Traceback (most recent call last):\n  File \"x.py\", "
+          "line 3, in f\nIndivisibleError: shape=[2, 1] is incompatible with mesh_shape ...\n")
+  with pytest.raises(plan_programs.ProgramCompileError,
+                     match=r"jit_chunk_program: IndivisibleError: shape=\[2, 1\]"):
+    plan_programs._compile(_Partitioner())

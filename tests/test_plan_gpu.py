@@ -9,6 +9,7 @@ Run the compiled cases (skipped without the plugin) in a venv that has it:
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -109,6 +110,30 @@ def test_train_step_compiles_for_8_h100_with_cudnn_attention():
     hlo = lowered.compile().as_text()
   assert "__cudnn$fmha" in hlo  # cuDNN flash attention, forward and backward
   assert "__cudnn$fmhaSoftmaxBackward" in hlo or "Backward" in hlo
+  # The padding reaches cuDNN as one bf16 bias per row, built from the keys alone: no [T, T]
+  # int32 positions, comparison or dense mask (about 0.5 GiB a GPU at the 32B's 22,528 tokens).
+  t = spec.sizes.max_length
+  assert re.findall(rf"\w+\[[\d,]*\b{t},{t}\]", hlo) and not re.findall(
+      rf"(?:s32|pred)\[[\d,]*\b{t},{t}\]", hlo), t
+
+
+@needs_plugin
+@pytest.mark.parametrize("prompts", [6, 8])
+def test_static_prefill_compiles_on_8_h100_whatever_the_prompts_per_call(prompts):
+  """The static sampler's prefill of 6 prompts on 8 GPUs failed to compile: cuDNN's partitioner
+  refused the batch (IndivisibleError). It takes the XLA attention there; 8 keep cuDNN."""
+  from dapo_jax.infra import sharding as shd  # pylint: disable=g-import-not-at-top
+  from dapo_jax.models import attention  # pylint: disable=g-import-not-at-top
+  target = _h100s()
+  spec = _spec("--config.rollout.engine=static", f"--config.rollout.prompts_per_call={prompts}",
+               f"--config.algorithm.gen_batch_size={4 * prompts}",
+               f"--config.optim.train_batch_size={2 * prompts}",
+               f"--config.optim.mini_batch_size={2 * prompts}")
+  mcfg = plan_programs.plan_model_config(spec.model, spec.tokenizer)
+  mesh = shd.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 1)], devices=list(target.devices))
+  with attention.compile_for("gpu"):
+    rollout = plan_programs.compile_rollout(spec, mcfg, mesh, mesh)
+  assert "memory" in rollout and rollout["peak"] > 0
 
 
 @needs_plugin

@@ -88,7 +88,10 @@ def _refused(lowered, err: Exception) -> ProgramCompileError:
   except Exception:  # pylint: disable=broad-except
     m = None
   lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-  what = " ".join(lines[:2])
+  # A Python error raised inside the compiler (a custom partitioner's) is its last "...Error:"
+  # line, under a traceback; XLA's own errors say what they are in their first lines.
+  raised = [line for line in lines if re.match(r"^\w*(Error|Exception): ", line)]
+  what = raised[-1] if raised else " ".join(lines[:2])
   what = what if len(what) <= 400 else what[:400] + " ..."
   return ProgramCompileError(
       f"The compiler refused the program {m.group(1) if m else '(unnamed)'}: {what} (a config "
