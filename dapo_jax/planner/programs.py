@@ -1,5 +1,9 @@
 """The programs `dapo-plan` compiles for a target: the train step, the rollout (static sampler,
-old-log-prob forward, decode step, continuous engine), each with its memory and cost analyses."""
+old-log-prob forward, decode step, continuous engine), each with its memory and cost analyses.
+
+One piece: every program is lowered, compiled and summarised through the same `_compile` (HBM
+OOMs as rows, other refusals as one line) and `_summary`, so their figures share one basis.
+"""
 
 from __future__ import annotations
 
