@@ -159,10 +159,11 @@ def test_step_time_estimate_by_hand(tiny_plan):
   assert e["phases"]["old_logprob"]["seconds"] == pytest.approx(
       8 * roofline(plan["logprob"]["cost"]))
   # Rollout: one call of 32 prompts (256 rows): a prefill, then R - 1 = 31 decode steps, 15 in
-  # the loop over 24 + 16 - 1 cache slots and 16 in the one over 24 + 32 - 1.
-  d = plan["decode"]
-  rollout = (roofline(d["prefill"]["cost"]) + 15 * roofline(d["decode_step@39"]["cost"])
-             + 16 * roofline(d["decode_step@55"]["cost"]))
+  # the loop over P + 16 - 1 cache slots and 16 in the one over P + 32 - 1 (P: the prompt, 25).
+  d, p = plan["decode"], spec.data.max_prompt_length
+  short, full = f"decode_step@{p + 15}", f"decode_step@{p + 31}"
+  rollout = (roofline(d["prefill"]["cost"]) + 15 * roofline(d[short]["cost"])
+             + 16 * roofline(d[full]["cost"]))
   assert e["phases"]["rollout"]["seconds"] == pytest.approx(rollout)
   # The step total takes the configured engine's rollout (the continuous engine by default).
   assert spec.rollout.engine == "continuous" and e["rollout_engine"] == "continuous"
@@ -170,7 +171,7 @@ def test_step_time_estimate_by_hand(tiny_plan):
   assert static["step_seconds"] == pytest.approx(
       rollout + update + e["phases"]["old_logprob"]["seconds"])
   # A decode step re-reads the weights and the whole cache: its bytes grow with the cache.
-  assert d["decode_step@55"]["cost"]["bytes"] > d["decode_step@39"]["cost"]["bytes"]
+  assert d[full]["cost"]["bytes"] > d[short]["cost"]["bytes"]
   # Continuous: 256 requests of 0.25 x 32 tokens on 256 slots, 85% busy; each of the 32 prompts
   # prefilled once (one enqueue each).
   c = plan["continuous"]

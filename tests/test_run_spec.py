@@ -54,7 +54,7 @@ def test_spec_is_typed_frozen_and_derives_the_sizes():
   assert spec.sizes.updates_per_step == o.train_batch_size // o.mini_batch_size == 4
   assert spec.sizes.rows_per_step == o.train_batch_size * n
   assert spec.sizes.prompts_per_call == config.algorithm.gen_batch_size  # 0 = all at once
-  assert spec.sizes.max_length == 24 + 32
+  assert spec.sizes.max_length == 25 + 32  # a 3-operand prompt (25 tokens) + the response
   assert spec.mesh == (("data", 1), ("fsdp", -1), ("tensor", 1)) and spec.rollout_mesh == ()
   assert isinstance(spec.algorithm.rollout_is_band, tuple) and isinstance(spec.optim.lr, float)
   assert spec.model.overrides["hidden_size"] == 128
