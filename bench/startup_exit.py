@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -26,18 +25,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench._host import cpu_name  # noqa: E402  (needs ROOT on the path)
 from tests.tiny_run_flags import TINY_RUN_FLAGS  # noqa: E402  (needs ROOT on the path)
 
 RESULTS = os.path.join(ROOT, "bench", "results", "startup_exit.json")
 _LAUNCH = "import sys; sys.argv[0] = 'dapo-train'; from dapo_jax.main import run; run()"
-
-
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    return platform.processor()
 
 
 def one_run(src: str, num_steps: int) -> dict:
@@ -87,7 +79,7 @@ def main() -> None:
     runs.append(one_run(args.src, args.num_steps))
     print(f"{label} run {i + 1}: {runs[-1]}", flush=True)
   med = lambda k: statistics.median(r[k] for r in runs)
-  result = {"command": "python " + " ".join(sys.argv), "cpu": _cpu(), "cores": os.cpu_count(),
+  result = {"command": "python " + " ".join(sys.argv), "cpu": cpu_name(), "cores": os.cpu_count(),
             "runs": runs, "median_to_first_step_s": med("to_first_step_s"),
             "median_last_step_to_exit_s": med("last_step_to_exit_s")}
   results = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench._host import cpu_name  # noqa: E402  # pylint: disable=wrong-import-position
 from tests import outage_run  # noqa: E402  # pylint: disable=wrong-import-position
 from tests.gcs_emulator import GcsEmulator  # noqa: E402  # pylint: disable=wrong-import-position
 
@@ -36,14 +36,6 @@ NUM_STEPS = 12
 SCENARIOS = {  # name -> (outage seconds, None: never back; after checkpoint step; launch flags)
     "5s": (5.0, 2), "60s": (60.0, 2), "5min": (300.0, 2), "launch_down": (None, 0)}
 _STEP = re.compile(r"console_log: step (\d+)/\d+")
-
-
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    return platform.processor()
 
 
 def run_one(name: str, tmp: str) -> dict:
@@ -124,7 +116,7 @@ def main() -> None:
       results[name] = run_one(name, tmp)
       os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
       with open(RESULTS, "w") as f:  # after each scenario: an interrupted bench resumes
-        json.dump({"cpu": _cpu(), "cores": os.cpu_count(), "num_steps": NUM_STEPS,
+        json.dump({"cpu": cpu_name(), "cores": os.cpu_count(), "num_steps": NUM_STEPS,
                    "scenarios": results}, f, indent=2)
       print(json.dumps(results[name], indent=2), flush=True)
   print(table(results))

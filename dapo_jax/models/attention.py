@@ -143,10 +143,9 @@ def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):
   if jnp.dtype(q_BxTxHxE.dtype) not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"attention_impl='cudnn' needs bf16/fp16 compute, got {q_BxTxHxE.dtype}; "
                      f"set model.dtype='bfloat16' or use 'auto'.")
-  if not mask.causal:
-    return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE,
-                                        mask=mask.dense_BxTxS[:, None], implementation="cudnn")
-  # Causal: cuDNN's causal mask, and the padding (cuDNN has no left-padding mask type) as a bias
+  if not mask.causal:  # `dot_product_attention` sends only causal masks to a fused kernel
+    raise ValueError("cudnn_attention takes a causal Mask; a dense one goes to xla_attention.")
+  # cuDNN's causal mask, and the padding (cuDNN has no left-padding mask type) as a bias
   # built from the keys' validity alone. cuDNN takes a bias of [B, 1, T, S], so that one array
   # is materialised; built from the dense mask it cost three more [T, T] arrays a row (int32
   # positions, their comparison and the mask): 0.47 GiB more temporaries a GPU in the 32B's
@@ -250,10 +249,10 @@ def dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask, *, impl: 
   if not mask.causal:  # no structure a fused kernel takes: the dense mask
     return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
   impl = resolve_impl(impl, dtype=q_BxTxHxE.dtype, seq_len=t, head_dim=e)
+  if impl == "cudnn" and not _batch_divides_its_mesh_axes(q_BxTxHxE.shape[0]):
+    impl = "xla"  # e.g. a prefill of 6 prompts on 8 GPUs: GSPMD pads, cuDNN's partitioner refuses
   if impl == "xla":
     return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
-  if impl == "cudnn" and _batch_divides_its_mesh_axes(q_BxTxHxE.shape[0]):
+  if impl == "cudnn":
     return cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask)
-  if impl == "cudnn":  # e.g. a prefill of 6 prompts on 8 GPUs: GSPMD pads, cuDNN's partitioner
-    return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)  # refuses
   return splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.key_valid_BxS)
