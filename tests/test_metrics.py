@@ -4,6 +4,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +108,26 @@ def test_tensorboard_scalars_texts_and_purge(tmp_path):
             if ev.HasField("session_log") and ev.session_log.status == ev.session_log.START]
   assert starts == [2]
   assert _scalars(tb)[("train/grad_norm", 3)] == pytest.approx(6.0)  # Old file intact.
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+  """tensorboardX's writer imports torch where it is installed (seconds of every run's start);
+  the writer is opened without it, and torch still imports afterwards."""
+  pytest.importorskip("torch")  # the test extras install it; without it there is nothing to hide
+  code = f"""if True:
+    import sys
+    from dapo_jax.infra import metrics as M
+    with M.MetricsWriter({str(tmp_path)!r}, jsonl=False) as w:
+      w.write_scalars(1, {{"a": 1.0}})
+    print("torch loaded by the writer:", "torch" in sys.modules)
+    import torch
+    print("torch after:", torch.zeros(2).sum().item())
+  """
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu")).stdout
+  assert "torch loaded by the writer: False" in out
+  assert "torch after: 0.0" in out
+  assert _scalars(tmp_path / M.TB_SUBDIR) == {("a", 1): 1.0}
 
 
 def test_inactive_writer_writes_nothing(tmp_path):
