@@ -27,9 +27,11 @@ def rows(workdir: str) -> list[dict]:
 
 
 def run(name: str, config: str, seed: int, args, flags: list[str],
-        env: dict[str, str] | None = None) -> str:
+        env: dict[str, str] | None = None, peer: str = "") -> str:
   """Runs one demo into ``args.workdir/name`` (its log beside it as ``name.log``) from seed's
-  warm start, or only returns the workdir where a finished run already is."""
+  warm start, or only returns the workdir where a finished run already is. ``peer``: the run
+  is two processes, ``--role=train`` (logged as above) and ``--role=rollout`` started first
+  (``name.rollout.log``), joined at ``peer`` (docs/overlap.md, "Two processes")."""
   workdir = os.path.join(args.workdir, name)
   done = rows(workdir)
   if done and done[-1].get("step") == args.num_steps:
@@ -41,9 +43,21 @@ def run(name: str, config: str, seed: int, args, flags: list[str],
          "--config.logging.console=lines", *STUDY_FLAGS, *flags, *args.extra]
   print(" ".join(cmd), flush=True)
   full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-  with open(log_path(name, args), "w") as log:
-    subprocess.run(cmd, cwd=ROOT, env=full_env, check=True, stdout=log,
-                   stderr=subprocess.STDOUT)
+  if not peer:
+    with open(log_path(name, args), "w") as log:
+      subprocess.run(cmd, cwd=ROOT, env=full_env, check=True, stdout=log,
+                     stderr=subprocess.STDOUT)
+    return workdir
+  with open(log_path(name, args).replace(".log", ".rollout.log"), "w") as rlog, \
+      open(log_path(name, args), "w") as log:
+    rollout = subprocess.Popen(cmd + ["--role=rollout", f"--peer={peer}"], cwd=ROOT,
+                               env=full_env, stdout=rlog, stderr=subprocess.STDOUT)
+    try:
+      subprocess.run(cmd + ["--role=train", f"--peer={peer}"], cwd=ROOT, env=full_env,
+                     check=True, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+      if rollout.wait(timeout=600) != 0:
+        raise subprocess.CalledProcessError(rollout.returncode, rollout.args)
   return workdir
 
 

@@ -16,6 +16,9 @@ Layouts (each a dapo-train run of the demo; --config.x=y after `--` go to every 
   async1_coloc  one device, one step off (both phases on it, from two threads)
   async4        split, max_staleness 4 (stress)
   async4_uncorrected  split, max_staleness 4 without the behaviour correction (explicit flag)
+  async1_procs  async1 in two processes of one device each (dapo-train --role=train and
+                --role=rollout): weights pulled device to device, batches sent host to host;
+                its metrics are compared with async1's, step by step
 
 Wall time per step is read from the step log lines' timestamps, from the second step to the
 last (the first step compiles), so it includes evaluation and checkpoints as a user sees them.
@@ -47,7 +50,10 @@ LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
     "async4": (2, SPLIT + CORRECTED + ["--config.algorithm.max_staleness=4"]),
     "async4_uncorrected": (2, SPLIT + ["--config.algorithm.max_staleness=4",
                                        "--config.algorithm.allow_uncorrected_staleness=True"]),
+    "async1_procs": (1, CORRECTED + ["--config.algorithm.max_staleness=1"]),
 }
+PROCESSES = {"async1_procs": "async1"}  # two-process layout -> the one-process layout it equals
+_TIMING = ("time/", "perf/", "sync/batch_bytes")
 _STEP_LINE = re.compile(r"^(\S+ \S+) \S+: step (\d+)/(\d+)")
 
 
@@ -69,8 +75,20 @@ def _name(layout: str, seed: int, args) -> str:
 
 def _run(layout: str, seed: int, args) -> str:
   devices, flags = LAYOUTS[layout]
+  peer = f"127.0.0.1:{29400 + seed}" if layout in PROCESSES else ""
   return _demo_runs.run(_name(layout, seed, args), "configs/tiny_cpu.py", seed, args, flags,
-                  env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+                  env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
+                  peer=peer)
+
+
+def _differences(a_dir: str, b_dir: str) -> int:
+  """Logged values (timings aside) that differ between two runs, step by step."""
+  def by_step(d):
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(_TIMING)}
+            for r in _demo_runs.rows(d)}
+  a, b = by_step(a_dir), by_step(b_dir)
+  return sum(a.get(s, {}).get(k) != b.get(s, {}).get(k)
+             for s in set(a) | set(b) for k in set(a.get(s, {})) | set(b.get(s, {})))
 
 
 def _summary(workdir: str, log_path: str) -> dict:
@@ -90,6 +108,8 @@ def _summary(workdir: str, log_path: str) -> dict:
          "rollout_idle_s": tot("time/rollout_idle") / n,
          "weight_sync_s": tot("time/weight_sync") / n,
          "weight_bytes": rows[-1].get("sync/weight_bytes", 0.0)}
+  if "sync/batch_bytes" in rows[-1]:  # two processes: the batch host to host
+    out["batch_bytes"] = tot("sync/batch_bytes") / n
   out["trainer_idle_fraction"] = out["trainer_idle_s"] / wall
   if "time/rollout_idle" in rows[-1]:
     out["rollout_idle_fraction"] = out["rollout_idle_s"] / wall
@@ -111,11 +131,17 @@ def main() -> None:
   seeds = [int(s) for s in args.seeds.split(",")]
   layouts = args.layouts.split(",")
   result = {"command": "python " + " ".join(sys.argv), "runs": {}}
+  workdirs = {}
   for seed in seeds:
     for layout in layouts:
-      workdir = _run(layout, seed, args)
+      workdirs[layout, seed] = workdir = _run(layout, seed, args)
       result["runs"][f"{layout}_s{seed}"] = _summary(
           workdir, _demo_runs.log_path(_name(layout, seed, args), args))
+  for (layout, seed), workdir in workdirs.items():
+    same = PROCESSES.get(layout)
+    if (same, seed) in workdirs:
+      result["runs"][f"{layout}_s{seed}"][f"values_differing_from_{same}"] = _differences(
+          workdirs[same, seed], workdir)
   for seed in seeds:
     base = result["runs"].get(f"sync_s{seed}")
     if base is None:

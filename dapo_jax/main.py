@@ -29,6 +29,12 @@ def _define(fv: flags.FlagValues) -> None:
   flags.DEFINE_list("allow_config_change", [], "Keys (or sections) a resumed run may change "
                     "although they change its state or algorithm, e.g. optim.lr,rollout.n; "
                     "recorded in <workdir>/config_history/.", flag_values=fv)
+  flags.DEFINE_enum("role", "both", ["both", "train", "rollout"], "both: this process trains "
+                    "and rolls out; train / rollout: this process does one side and a second "
+                    "process, started with the other role, the same --config and --workdir and "
+                    "the same --peer, does the other (docs/overlap.md).", flag_values=fv)
+  flags.DEFINE_string("peer", "", "With --role: HOST:PORT where the training process listens "
+                      "for its rollout process.", flag_values=fv)
   cli.define_verbose(fv)
 
 
@@ -57,6 +63,7 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   from dapo_jax.checkpoints import hf
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   from dapo_jax.data.records import DataFormatError
+  from dapo_jax.trainer import rollout_process
   from dapo_jax.trainer.train import train_and_evaluate
   # Past flag parsing only these are the user's to fix (a bad config value, a config change the
   # run cannot take, a missing bucket or model directory, a checkpoint of another model, a
@@ -65,13 +72,15 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   with cli.tracebacks_except(config_lib.ConfigError, run_config.ConfigChangeError,
                              run_config.BucketNotFoundError, hf.MissingCheckpointError,
                              orbax_ckpt.CheckpointLayoutError, DataFormatError,
-                             run_files.StorageUnavailableError):
+                             run_files.StorageUnavailableError, rollout_process.RoleError,
+                             rollout_process.PeerError):
     # The model directory before the workdir is made (a gs:// one retried through an outage).
     run_files.retry_transient(
         lambda: hf.check_checkpoint_dir(fv.config.model.checkpoint),
         what=f"--config.model.checkpoint={fv.config.model.checkpoint}",
         timeout_s=float(fv.config.checkpoint.storage_wait_s))
-    return train_and_evaluate(fv.config, cli.expand(fv.workdir), fv.allow_config_change)
+    return train_and_evaluate(fv.config, cli.expand(fv.workdir), fv.allow_config_change,
+                              role=fv.role, peer=fv.peer)
 
 
 def run() -> None:

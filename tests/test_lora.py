@@ -149,7 +149,7 @@ def test_an_adapter_update_reaches_both_samplers():
   add = jax.jit(lambda t, n: jax.tree.map(jnp.add, t, n))
   noise = lambda t: add(t, jax.tree.map(
       lambda x: jax.device_put(0.3 * rng.standard_normal(x.shape).astype(x.dtype), x.sharding), t))
-  zeros = jax.tree.map(jnp.zeros_like, state.params)  # run_setup.reference_policy under LoRA
+  zeros = jax.tree.map(jnp.zeros_like, state.params)  # reference.reference_policy under LoRA
   fwd = ts.LogProbForward(graphdef, cfg, rest=state.rest)
   sp = SamplingParams(max_new_tokens=R, eos_ids=(), pad_id=0)
   prompts = jnp.asarray(np.random.RandomState(2).randint(1, VOCAB, (2, P)), jnp.int32)
@@ -192,7 +192,7 @@ def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path, monk
   bit for bit, the reference is the base (nothing written); dapo-eval, dapo-serve and
   dapo-export read the run on its base, and refuse another base in one line, as a resume does."""
   import shutil  # pylint: disable=g-import-not-at-top
-  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import reference  # pylint: disable=g-import-not-at-top
   from dapo_jax.trainer.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
   from dapo_jax.infra import curves  # pylint: disable=g-import-not-at-top
   from tests.test_train_e2e import _params, _small_config  # pylint: disable=g-import-not-at-top
@@ -206,7 +206,7 @@ def test_lora_run_trains_resumes_exactly_and_refuses_another_base(tmp_path, monk
   full, part = tmp_path / "full", tmp_path / "part"
   m = train_and_evaluate(cfg(2), str(full))  # checkpoints at steps 1 and 2
   assert np.isfinite(m["actor/kl"]) and m["actor/kl"] > 0  # moved away from the base
-  assert not (full / run_setup.REFERENCE_DIR).exists()
+  assert not (full / reference.REFERENCE_DIR).exists()
   # A run stopped after step 1's checkpoint (its workdir, compile cache included), resumed.
   shutil.copytree(full, part)
   shutil.rmtree(part / "checkpoints" / "2")

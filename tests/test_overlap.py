@@ -4,6 +4,8 @@ that reproduces itself across a kill and resume."""
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import types
 
@@ -17,6 +19,7 @@ from dapo_jax.trainer import experience
 from dapo_jax.trainer import train
 from dapo_jax.trainer import trajectories as traj_lib
 from dapo_jax.trainer.train import train_and_evaluate
+from tests import processes
 from tests.test_train_e2e import _small_config
 
 _TIMING = ("time/", "perf/")
@@ -198,16 +201,24 @@ def _overlap_config(num_steps):
       "checkpoint.save_every": 2, "eval.every": 2})
 
 
-def test_overlapped_run_on_split_devices_resumes_bit_for_bit(tmp_path):
-  """Rollout on 4 devices, training on the other 4, one step off. A run stopped after its
-  step-2 checkpoint and relaunched equals the uninterrupted run: metrics and weights."""
+@pytest.fixture(scope="module")
+def whole_split_run(tmp_path_factory):
+  """Rollout on 4 devices, training on the other 4, one step off, 4 steps uninterrupted:
+  (its metrics by step, its result)."""
   assert jax.device_count() == 8
-  whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+  whole = str(tmp_path_factory.mktemp("whole"))
   out = train_and_evaluate(_overlap_config(4), whole)
+  return _metrics(whole), out
+
+
+def test_overlapped_run_on_split_devices_resumes_bit_for_bit(tmp_path, whole_split_run):
+  """A run stopped after its step-2 checkpoint and relaunched equals the uninterrupted run
+  (`whole_split_run`): metrics and weights."""
+  a, out = whole_split_run
+  split = str(tmp_path / "split")
   train_and_evaluate(_overlap_config(2), split)
   train_and_evaluate(_overlap_config(4), split)
-  a, b = _metrics(whole), _metrics(split)
-  assert a == b
+  assert a == _metrics(split)
   assert [a[s]["sync/policy_version"] for s in (1, 2, 3, 4)] == [0, 0, 2, 2]
   assert [a[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
   assert all(0 < a[s]["actor/rollout_is_weight"] for s in a)
@@ -227,3 +238,40 @@ def test_partial_rollouts_run_within_the_bound(tmp_path):
   for s, row in m.items():
     assert row["staleness/max"] <= 2
     assert sum(row[f"staleness/tokens_at_{k}"] for k in range(3)) == pytest.approx(1.0)
+
+
+_TWO_PROCESS = """
+import sys
+from tests.test_overlap import _overlap_config
+from dapo_jax.trainer.train import train_and_evaluate
+role, peer, workdir, steps = sys.argv[1:5]
+c = _overlap_config(int(steps))
+c.rollout_devices = 0
+train_and_evaluate(c, workdir, role=role, peer=peer)
+"""
+
+
+def _two_process_launch(workdir, steps):
+  """``--role=train`` and ``--role=rollout`` processes of 4 CPU devices each (one launch)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  peer = f"127.0.0.1:{processes.free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS, role, peer, workdir,
+                             str(steps)], cwd=root, env=processes.process_env(root, 4, {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for role in ("rollout", "train")]
+  processes.wait_all(procs, stall_s=600, what="process", watch=[workdir])
+
+
+def test_rollout_in_a_process_of_its_own_equals_the_one_process_split(tmp_path,
+                                                                     whole_split_run):
+  """Measurement 4: the trainer and the rollout in two processes (4 devices each; weights
+  pulled by version, batches sent host to host) give the one-process split's metrics, step for
+  step, also across a stop after step 2 and a relaunch of both."""
+  a, _ = whole_split_run
+  workdir = str(tmp_path / "two")
+  _two_process_launch(workdir, 2)
+  _two_process_launch(workdir, 4)
+  b = _metrics(workdir)
+  assert all(b[s].pop("sync/batch_bytes") > 0 for s in b)  # the batch host to host
+  assert a == b
+  assert all(b[s]["sync/weight_bytes"] > 0 for s in b)

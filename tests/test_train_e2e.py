@@ -241,19 +241,19 @@ def test_verl_warmup_and_micro_batch_loss_run_through_the_trainer(tmp_path, monk
 def test_kl_loss_runs_end_to_end_and_resumes_with_its_reference(tmp_path, monkeypatch):
   """Issue 17 D2: use_kl_loss builds the reference once (the RL start's weights), trains with
   the KL term, and a resumed run reads the same reference back."""
-  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import reference  # pylint: disable=g-import-not-at-top
   refs = []
-  real = run_setup.reference_policy
+  real = reference.reference_policy
 
   def spy(*args):
     refs.append(real(*args))
     return refs[-1]
 
-  monkeypatch.setattr(run_setup, "reference_policy", spy)
+  monkeypatch.setattr(reference, "reference_policy", spy)
   workdir = str(tmp_path / "run")
   c = _small_config(**{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5})
   m1 = train_and_evaluate(_with_steps(c, 1), workdir)
-  assert os.path.isdir(os.path.join(workdir, run_setup.REFERENCE_DIR))
+  assert os.path.isdir(os.path.join(workdir, reference.REFERENCE_DIR))
   # The first update starts at the reference (KL 0), the second has moved: the mean is > 0.
   assert 0.0 < m1["actor/kl"] < 1.0 and np.isfinite(m1["actor/loss"])
   m2 = train_and_evaluate(_with_steps(c, 2), workdir)

@@ -192,6 +192,9 @@ class DynamicSamplingError(RuntimeError):
     self.groups = groups
     self.stats = stats
 
+  def __reduce__(self):  # pickled whole (a rollout process sends it to the trainer)
+    return type(self), (str(self), self.groups, self.stats), self.__dict__
+
 
 class MaxGenBatchesExceededError(DynamicSamplingError):
   """`max_num_gen_batches` generation batches did not fill the batch."""

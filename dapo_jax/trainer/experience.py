@@ -88,20 +88,22 @@ class OverlappedExperience:
   ``partial``: a batch starts with the version the schedule names, and its samples in flight
   move on to each newer version as the trainer hands it over, keeping their KV (partial
   rollouts; every token records its version). Fresher tokens, but which tokens get which
-  version depends on timing: such a run does not repeat bit for bit.
+  version depends on timing: such a run does not repeat bit for bit. ``owned``: ``params``
+  belongs to a trainer whose update donates it (the rollout process's own source,
+  `rollout_process`, gets weights nobody donates: False).
   """
 
   def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
                resume_state: Callable[[], dict[str, Any]], *, max_staleness: int,
                start_step: int, num_steps: int, save_every: int, params: Any,
-               partial: bool = False):
+               partial: bool = False, owned: bool = True):
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
     if jax.process_count() > 1:
       raise NotImplementedError(
           "algorithm.max_staleness >= 1 runs in one process for now: the rollout thread's "
           "cross-process gathers would interleave with the trainer's (docs/overlap.md).")
-    self.max_staleness, self.partial = max_staleness, partial
+    self.max_staleness, self.partial, self._owned = max_staleness, partial, owned
     self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
     self._cond = threading.Condition()
@@ -115,8 +117,7 @@ class OverlappedExperience:
 
   def version(self, step: int) -> int:
     """The policy version that samples ``step``'s batch (module docstring)."""
-    synced = step // self._save_every * self._save_every
-    return max(step - self.max_staleness, synced, self._start)
+    return scheduled_version(step, self.max_staleness, self._save_every, self._start)
 
   def next(self, step: int, params: Any) -> Experience:
     del params  # sampled by an earlier version, handed over by `updated`
@@ -137,13 +138,12 @@ class OverlappedExperience:
     if a batch still to come is sampled by it. The cast and the move are dispatched here and
     run while the update goes on; the rollout thread waits for them only when it starts the
     batch that needs them."""
-    if not any(self.version(t) == step for t in range(step, min(step + self.max_staleness + 1,
-                                                                 self._end))):
+    if not version_needed(step, self.max_staleness, self._save_every, self._start, self._end):
       return
     t0 = time.perf_counter()
     weights = self._to_rollout(params)
-    if weights is params:  # one device, same dtype: the update would donate these very arrays
-      weights = jax.tree.map(jnp.copy, params)
+    if self._owned:  # the update would donate the arrays the weights share with ``params``
+      weights = unshared(weights, params)
     with self._cond:
       self._weights[step] = (weights, time.perf_counter() - t0)
       self._cond.notify_all()
@@ -154,6 +154,10 @@ class OverlappedExperience:
     batches."""
     with self._engine:
       yield
+
+  @property
+  def closed(self) -> bool:
+    return self._stop
 
   def close(self) -> None:
     """Stops the thread: a batch in flight is abandoned at the sampler's next chunk (a stopping
@@ -221,6 +225,28 @@ class OverlappedExperience:
         current[0] = latest
         return self._weights[latest][0], latest
     return newest
+
+
+def scheduled_version(step: int, max_staleness: int, save_every: int, start: int) -> int:
+  """The policy version that samples ``step``'s batch: max(step - k, the last checkpoint step
+  <= step, the run's first step) (module docstring)."""
+  synced = step // max(save_every, 1) * max(save_every, 1)
+  return max(step - max_staleness, synced, start)
+
+
+def version_needed(version: int, max_staleness: int, save_every: int, start: int,
+                   end: int) -> bool:
+  """Whether a batch still to come (steps ``version`` .. ``end`` - 1) is sampled by
+  ``version``."""
+  return any(scheduled_version(t, max_staleness, save_every, start) == version
+             for t in range(version, min(version + max_staleness + 1, end)))
+
+
+def unshared(weights: Any, params: Any) -> Any:
+  """``weights`` with a copy of every array it shares with ``params`` (one device in the
+  model's dtype: the rollout's weights are the trained arrays, which the update donates)."""
+  own = {id(x) for x in jax.tree.leaves(params)}
+  return jax.tree.map(lambda x: jnp.copy(x) if id(x) in own else x, weights)
 
 
 def _nbytes(tree: Any) -> int:

@@ -10,8 +10,6 @@ import os
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -199,47 +197,6 @@ def attention_fallback(max_length: int, mcfg: Qwen2Config, platform: str) -> str
   return None
 
 
-REFERENCE_DIR = "reference"  # in the workdir: the KL term's reference weights (Orbax)
-
-
-def reference_policy(use_kl_loss: bool, param_dtype: str, workdir, state: TrainState,
-                     resumed: bool) -> nnx.State | None:
-  """The KL loss's reference policy: a frozen copy of the weights RL starts from (after any SFT
-  warm start), in ``param_dtype`` (``model.param_dtype``); None, and nothing built, without
-  ``use_kl_loss`` (``algorithm.use_kl_loss``). A fresh run writes it to
-  ``<workdir>/reference``; a resumed run reads it back from there (the start weights are not in
-  the step checkpoints).
-
-  A LoRA run's reference is the base without adapters: zero adapters over the same frozen base
-  (B = 0 adds exactly nothing), so no second copy of the weights exists or is written.
-  """
-  if not use_kl_loss:
-    return None
-  if lora.has_adapters(state.params):
-    return jax.tree.map(jnp.zeros_like, state.params)
-  dtype = jnp.dtype(param_dtype)
-  cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-  path = run_files.resolve(workdir) / REFERENCE_DIR
-  checkpointer = ocp.StandardCheckpointer()
-  try:
-    if resumed:
-      if not path.exists():
-        raise FileNotFoundError(
-            f"{path}: the reference weights of this run (algorithm.use_kl_loss=True) are "
-            "missing; they are written when a run starts. Resume with the setting the run "
-            "started with, or start a new workdir.")
-      abstract = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding), state.params)
-      return checkpointer.restore(path, abstract)
-    # A copy (new buffers): the train step donates the live params.
-    ref = jax.tree.map(lambda x: jnp.array(x, dtype=cast(x), copy=True), state.params)
-    checkpointer.save(path, ref, force=True)
-    checkpointer.wait_until_finished()
-    return ref
-  finally:
-    checkpointer.close()
-
-
 def describe(m: ModelSpec, model: Any) -> str:
   """One line naming ``model`` (``m.checkpoint``, else ``m.preset``), its size and the devices."""
   n = model.config.num_params()
@@ -263,18 +220,20 @@ class Run:
   train_records: Sequence[MathRecord]
   eval_records: Sequence[MathRecord]
   rollout: Any  # (weights, ids, mask, key, SamplingParams, n) -> the same host RolloutBatch
-  to_rollout: RolloutWeights  # trained params -> the rollout's copy, once per step
-  train_config: TrainConfig
-  graphdef: nnx.GraphDef
-  step_fn: TrainStep
-  logp_fn: LogProbForward
+  # The training side; None on a rollout process (``dapo-train --role=rollout``).
+  to_rollout: RolloutWeights | None  # trained params -> the rollout's copy, once per step
+  train_config: TrainConfig | None
+  graphdef: nnx.GraphDef | None
+  step_fn: TrainStep | None
+  logp_fn: LogProbForward | None
   iterator: PromptIterator  # this process's share of each generation batch
-  checkpointer: TrainCheckpointer
+  checkpointer: TrainCheckpointer | None
   scorer: RewardScorer
   generator: Generator  # the training rollout: generate_and_score at rollout.* settings
   sampler: DynamicSampler
   # LoRA: the frozen base's source and fingerprint, saved with every checkpoint; None: no LoRA.
   lora_base: dict[str, Any] | None = None
+  rollout_mesh: Mesh | None = None  # where the rollout's weights live (None: one device)
 
   def fresh_optimizer(self, state: TrainState) -> TrainState:
     """``state``'s weights with a new optimizer state (DAPO after the SFT warm start)."""
@@ -286,7 +245,8 @@ class Run:
 
   def close(self) -> None:
     try:
-      self.checkpointer.close()
+      if self.checkpointer is not None:
+        self.checkpointer.close()
     finally:
       self.scorer.close()
 
@@ -297,10 +257,18 @@ class Run:
     self.close()
 
 
-def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
+def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, TrainState | None]:
   """Model, data, rollout, compiled steps, checkpointer and verifier of a run of ``spec`` in
-  ``workdir``, and the fresh train state (committed; a checkpoint in ``workdir`` replaces it)."""
-  train_devices, rollout_devices = distributed.split_devices(spec.rollout_devices)
+  ``workdir``, and the fresh train state (committed; a checkpoint in ``workdir`` replaces it).
+
+  ``role`` (``dapo-train --role``, `rollout_process`): "both" (this process trains and rolls
+  out), "train" or "rollout" (the other process does the other; this process's devices, all of
+  them, are laid out as ``mesh`` and ``rollout_mesh`` say). A rollout process builds no train
+  state (None), train step or checkpointer."""
+  if role == "both":
+    train_devices, rollout_devices = distributed.split_devices(spec.rollout_devices)
+  else:  # both meshes over this process's devices, laid out as the one-process split lays them
+    train_devices = rollout_devices = jax.local_devices()
   mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
@@ -320,25 +288,30 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   engine = engine_args(r, spec.data.max_prompt_length)
   rollout = make_rollout(r.engine, sampler_graphdef, rollout_mesh, tokenizer, **engine)
   lcfg = lora.LoRAConfig.from_config(spec.model.lora)
-  if lcfg.rank:
+  if role == "rollout":
+    del model
+    to_rollout = tcfg = graphdef = state = ckpt = None
+  elif lcfg.rank:
     lora.add_adapters(model, lcfg, seed=spec.seed, mesh=mesh)
     to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
   else:
     to_rollout = RolloutWeights(model.config.jnp_param_dtype, rollout_mesh)
-  tcfg = spec.train_config()
-  graphdef, state = init_train_state(model, tcfg, mesh)
-  state = commit(state, mesh)
-  if lcfg.rank:
-    to_rollout.base = state.rest
-  del model
+  if role != "rollout":
+    tcfg = spec.train_config()
+    graphdef, state = init_train_state(model, tcfg, mesh)
+    state = commit(state, mesh)
+    if lcfg.rank:
+      to_rollout.base = state.rest
+    del model
   iterator = PromptIterator(train_records, a.gen_batch_size, spec.seed,
                             num_epochs=spec.data.num_epochs or None,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
   c = spec.checkpoint
-  ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
-                           max_to_keep=c.max_to_keep, async_save=c.async_save,
-                           max_consecutive_failed_saves=c.max_consecutive_failed_saves)
+  if role != "rollout":
+    ckpt = TrainCheckpointer(run_files.resolve(workdir) / "checkpoints",
+                             max_to_keep=c.max_to_keep, async_save=c.async_save,
+                             max_consecutive_failed_saves=c.max_consecutive_failed_saves)
   w = spec.reward
   scorer = RewardScorer(w.verifier, max_response_length=r.max_response_length,
                         overlong_buffer_len=w.overlong_buffer_len,
@@ -361,10 +334,13 @@ def build_run(spec: RunSpec, workdir: str) -> tuple[Run, TrainState]:
   run = Run(mesh=mesh, tokenizer=tokenizer, train_records=train_records,
             eval_records=eval_records, rollout=rollout, to_rollout=to_rollout,
             train_config=tcfg, graphdef=graphdef,
-            step_fn=TrainStep(graphdef, tcfg, mesh),
-            logp_fn=LogProbForward(graphdef, tcfg, mesh, rest=state.rest), iterator=iterator,
-            checkpointer=ckpt, scorer=scorer, generator=generator, sampler=sampler,
-            lora_base=lora_base(spec.model, spec.seed, state) if lcfg.rank else None)
+            step_fn=None if state is None else TrainStep(graphdef, tcfg, mesh),
+            logp_fn=None if state is None else LogProbForward(graphdef, tcfg, mesh,
+                                                              rest=state.rest),
+            iterator=iterator, checkpointer=ckpt, scorer=scorer, generator=generator,
+            sampler=sampler,
+            lora_base=lora_base(spec.model, spec.seed, state) if lcfg.rank and state else None,
+            rollout_mesh=rollout_mesh)
   return run, state
 
 

@@ -34,6 +34,8 @@ from dapo_jax.trainer import experience as exp_lib
 from dapo_jax.trainer import logprob_gap
 from dapo_jax.spec import run_config
 from dapo_jax.infra import run_files
+from dapo_jax.trainer import reference
+from dapo_jax.trainer import rollout_process
 from dapo_jax.trainer import run_setup
 from dapo_jax.trainer import sft
 from dapo_jax.trainer import trajectories as traj_lib
@@ -107,13 +109,19 @@ class _StopRequest:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       allow_config_change: Sequence[str] = ()) -> dict[str, float]:
+                       allow_config_change: Sequence[str] = (), role: str = "both",
+                       peer: str = "") -> dict[str, float]:
   """Runs (or resumes) DAPO training; returns the last step's metrics and final evaluation.
 
   A resume refuses a config whose changes from the run's ``config.json`` are not safe
-  (`run_config`), unless ``allow_config_change`` names them.
+  (`run_config`), unless ``allow_config_change`` names them. ``role`` "train" or "rollout"
+  (with ``peer``, the training process's HOST:PORT): this process does one side of the run and
+  another process the other (`rollout_process`); "both": this process does both.
   """
   spec = RunSpec.from_config(config, num_devices=jax.device_count())  # validated here, once
+  rollout_process.check_role(role, peer, spec)
+  if role == "rollout":
+    return _serve_rollout(spec, workdir, peer)
   # Before anything is built or written: a refused relaunch leaves the workdir as it was.
   # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
   launch = run_files.retry_transient(
@@ -125,11 +133,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as teardown:  # every exit, failed or not, ends its resources here
     compiles = teardown.enter_context(compile_cache.CompileCounter())
     teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
-    run, state = run_setup.build_run(spec, workdir)
+    run, state = run_setup.build_run(spec, workdir, role)
     teardown.enter_context(run)
     evaluator = eval_lib.Evaluator(spec, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
     evaluating = bool(run.eval_records and spec.eval.every)
+    link = None
+    if role == "train":  # the rollout runs in the process that connects to ``peer``
+      link = teardown.enter_context(contextlib.closing(
+          rollout_process.Link.listen(peer, str(workdir))))
+      evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout)
+    else:
+      evaluate = lambda params, step: evaluator(run.to_rollout(params), step=step)  # noqa: E731
     state, start_step, resumed = _restore(run, state)
     run_config.record(launch, start_step if resumed else None)  # config.json once restored
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
@@ -137,21 +152,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         open_writers(spec, workdir, resume_step=start_step if resumed else -1))
     result: dict[str, float] = {}
     if not resumed:
-      state, result = _before_rl(spec, run, state, evaluator if evaluating else None)
+      state, result = _before_rl(spec, run, state, evaluate if evaluating else None)
       if result:
         writer.write_scalars(0, result)
-    ref_params = run_setup.reference_policy(spec.algorithm.use_kl_loss, spec.model.param_dtype,
+    ref_params = reference.reference_policy(spec.algorithm.use_kl_loss, spec.model.param_dtype,
                                             workdir, state, resumed)  # None: no KL
     stop = teardown.enter_context(_StopRequest())
     progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
     # Experience: sampled when asked (max_staleness 0), or by a rollout running ahead.
     staleness = spec.algorithm.max_staleness
-    source = exp_lib.open_source(
-        staleness, functools.partial(_sample, spec, run), run.to_rollout,
-        lambda: _resume_state(run), start_step=start_step, num_steps=spec.num_steps,
-        save_every=spec.checkpoint.save_every, params=state.params,
-        partial=spec.algorithm.partial_rollouts)
+    if link is not None:
+      source = rollout_process.RemoteExperience(
+          link, run.to_rollout, max_staleness=staleness, start_step=start_step,
+          num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params,
+          partial=spec.algorithm.partial_rollouts,
+          resume=_resume_state(run) if resumed else None)
+    else:
+      source = exp_lib.open_source(
+          staleness, functools.partial(_sample, spec, run), run.to_rollout,
+          lambda: _resume_state(run), start_step=start_step, num_steps=spec.num_steps,
+          save_every=spec.checkpoint.save_every, params=state.params,
+          partial=spec.algorithm.partial_rollouts)
     teardown.callback(source.close)
     consecutive_skips = 0
     for step in range(start_step, spec.num_steps):
@@ -180,7 +202,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         metrics.update(_overlap_metrics(exp))
       if evaluating and (step + 1) % spec.eval.every == 0:
         with source.exclusive():
-          metrics.update(evaluator(run.to_rollout(state.params), step=step + 1))
+          metrics.update(evaluate(state.params, step + 1))
       _log_step(spec, writer, progress, step + 1, metrics, traj)
       result = metrics
       if consecutive_skips >= spec.optim.max_consecutive_skips:
@@ -205,13 +227,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return {**result, "stopped_at_step": float(step + 1)}
     _last_save_landed(run, spec.num_steps, state)
     if evaluating and not any(k.startswith("eval/") for k in result):
-      final = evaluator(run.to_rollout(state.params), step=spec.num_steps)
+      final = evaluate(state.params, spec.num_steps)
       writer.write_scalars(spec.num_steps, final)
       result.update(final)
     writer.flush()
     rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
     _log_held_out(spec.num_steps, workdir, evaluator.headline, rows)
     return result
+
+
+def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
+  """``--role=rollout``: the rollout side of the run that the training process at ``peer``
+  drives (`rollout_process.serve`); writes nothing to ``workdir`` but the compilation cache."""
+  compile_cache.setup(spec.compilation_cache_dir, run_files.resolve(workdir))
+  with contextlib.ExitStack() as teardown:
+    compiles = teardown.enter_context(compile_cache.CompileCounter())
+    teardown.callback(lambda: _log.info("This launch: %s.", compiles.counts))
+    run, _ = run_setup.build_run(spec, workdir, role="rollout")
+    teardown.enter_context(run)
+    evaluator = eval_lib.Evaluator(spec, run.rollout, run.tokenizer, run.scorer,
+                                   run.eval_records)
+    link = teardown.enter_context(contextlib.closing(
+        rollout_process.Link.connect(peer, str(workdir))))
+    _log.info("Rolling out for the training process at %s.", peer)
+
+    def sample(weights, step, version, newest=None, check=None):
+      try:
+        return _sample(spec, run, weights, step, version, newest, check)
+      except DynamicSamplingError as err:  # the trainer checkpoints what was gathered
+        run.sampler.carry(err.groups)
+        err.resume_state = _resume_state(run)
+        raise
+
+    def restore(resume: dict[str, Any]) -> None:
+      run.iterator.set_state(resume["iterator"])
+      run.sampler.load_state_dict(resume["sampler"])
+
+    rollout_process.serve(link, sample, lambda: _resume_state(run), restore, evaluator,
+                          run.rollout_mesh)
+  return {}
 
 
 def rollout_key(seed: int, step: int) -> jax.Array:
@@ -240,16 +294,17 @@ def _restore(run: run_setup.Run, state: TrainState) -> tuple[TrainState, int, bo
   return run_setup.commit(state, run.mesh), int(meta["step"]), True
 
 
-def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluator
+def _before_rl(spec: RunSpec, run: run_setup.Run, state: TrainState, evaluate
                ) -> tuple[TrainState, dict[str, float]]:
-  """A fresh run's optional SFT warm start and its step-0 evaluation."""
+  """A fresh run's optional SFT warm start and its step-0 evaluation (``evaluate(params,
+  step)``; None: none)."""
   before: dict[str, float] = {}
   if spec.sft.steps:
     state, before = sft.warm_start(spec, run.graphdef, state, run.tokenizer, run.train_records,
                                    run.mesh)
     state = run.fresh_optimizer(state)  # a fresh optimizer for DAPO on the warm-started weights
-  if evaluator is not None:
-    before.update(evaluator(run.to_rollout(state.params)))
+  if evaluate is not None:
+    before.update(evaluate(state.params, 0))
   return state, before
 
 
@@ -332,7 +387,9 @@ def _overlap_metrics(exp: exp_lib.Experience) -> dict[str, float]:
   t = exp.times
   return {"time/rollout": t["rollout"], "time/rollout_idle": t["rollout_idle"],
           "time/weight_sync": t["weight_sync"], "sync/weight_bytes": t["weight_bytes"],
-          "sync/policy_version": float(exp.version)}
+          "sync/policy_version": float(exp.version),
+          # a rollout process's batch, pickled host to host (`rollout_process`)
+          **({"sync/batch_bytes": t["batch_bytes"]} if "batch_bytes" in t else {})}
 
 
 def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
@@ -448,9 +505,11 @@ class SamplingStoppedError(RuntimeError):
 
 def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: run_setup.Run,
                       state: TrainState) -> SamplingStoppedError:
-  run.sampler.carry(err.groups)  # nothing gathered is thrown away
+  resume = getattr(err, "resume_state", None)  # from a rollout process (`_serve_rollout`)
+  if resume is None:
+    run.sampler.carry(err.groups)  # nothing gathered is thrown away
   # force: a resumed run re-saves its start step (iterator advanced, groups carried).
-  _save(run, step, state, force=True)
+  _save(run, step, state, force=True, resume=resume)
   st, gathered = err.stats, f"{len(err.groups)}/{spec.optim.train_batch_size}"
   if isinstance(err, DatasetExhaustedError):
     what = (f"dataset {spec.data.train!r} ran out after data.num_epochs="

@@ -1,0 +1,247 @@
+"""Rollout and training in processes of their own (``dapo-train --role``, docs/overlap.md).
+
+One process (``--role=train``) holds the training devices and runs `train.train_and_evaluate`;
+the other (``--role=rollout``) holds the rollout devices and runs `serve`: the dynamic-sampling
+loop, the verifier and evaluation. They are two JAX runtimes, not one ``jax.distributed`` job: no
+program, collective or transfer of one needs the other to take part in the same order, so the
+rollout's thread and the trainer's loop never wait on each other's collectives.
+
+Two channels join them:
+
+- **weights, device to device** (`jax.experimental.transfer`): after each update the trainer
+  casts the weights the schedule needs on its own devices, laid out as the rollout lays them out
+  (the rollout mesh's axes over the training devices), and offers them under the policy
+  version; the rollout process pulls them onto its devices by that key. A pull names what it
+  wants, so the two sides never have to issue transfers in the same order. The two sets must
+  have the same device count (equal shard shapes) (`infra.peer_link`);
+- **everything else, host to host** (`multiprocessing.connection`, pickled, authenticated):
+  the start (first step, the data's resume state), weight offers, evaluation requests and
+  results, and each step's `experience.Experience` (the scored batch, its resume state and
+  times). A scored batch is host data already: 8 bytes a token (its id and the sampler's
+  log-prob), so the paper's 512 x 16 responses at a mean of 5k tokens would be about 330 MB a
+  step (not measured at that scale).
+
+The schedule is `experience.scheduled_version`'s: the rollout process runs an
+`experience.OverlappedExperience` of its own, fed with pulled weights, so a two-process run
+samples what the one-process split samples, step for step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, parse_peer
+from dapo_jax.trainer import experience as exp_lib
+
+_log = logging.getLogger(__name__)
+
+ROLES = ("both", "train", "rollout")
+_EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (sampling: version)
+
+
+class RoleError(ValueError):
+  """``--role`` / ``--peer`` do not fit the run (one line: what to change)."""
+
+
+def check_role(role: str, peer: str, spec) -> None:
+  """``dapo-train --role/--peer`` against the run spec."""
+  if role not in ROLES:
+    raise RoleError(f"--role={role!r}: choose one of {ROLES}")
+  if role == "both":
+    if peer:
+      raise RoleError("--peer is for --role=train or --role=rollout (two processes)")
+    return
+  try:
+    parse_peer(peer)
+  except PeerAddressError as e:
+    raise RoleError(str(e)) from None
+  if spec.rollout_devices:
+    raise RoleError(f"--role={role} with config.rollout_devices={spec.rollout_devices}: the "
+                     "rollout has a process of its own; set config.rollout_devices=0")
+  if jax.process_count() > 1:
+    raise RoleError(f"--role={role} runs one process a side for now (this job has "
+                     f"{jax.process_count()} processes under jax.distributed)")
+
+
+class RemoteExperience:
+  """The training process's experience source: batches sampled by the rollout process, weights
+  offered to it after each update (`experience.OverlappedExperience`'s interface and schedule;
+  ``max_staleness`` 0 is the synchronous step with the rollout on the other process)."""
+
+  def __init__(self, link: Link, to_rollout: Callable[[Any], Any], *, max_staleness: int,
+               start_step: int, num_steps: int, save_every: int, params: Any,
+               partial: bool, resume: dict[str, Any] | None):
+    self.link, self._to_rollout, self.max_staleness = link, to_rollout, max_staleness
+    self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
+    link.send(("start", None, {"start_step": start_step, "num_steps": num_steps,
+                               "save_every": save_every, "max_staleness": max_staleness,
+                               "partial": partial, "resume": resume}))
+    self.updated(start_step, params)
+
+  def version(self, step: int) -> int:
+    return exp_lib.scheduled_version(step, self.max_staleness, self._save_every, self._start)
+
+  def next(self, step: int, params: Any) -> exp_lib.Experience:
+    del params
+    t0 = time.perf_counter()
+    _, _, out = self.link.wait("experience", step)
+    if isinstance(out, BaseException):
+      raise out
+    out.times["trainer_idle"] = time.perf_counter() - t0
+    out.times["batch_bytes"] = float(self.link.last_nbytes)
+    return out
+
+  def updated(self, step: int, params: Any) -> None:
+    if not exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
+                                  self._end):
+      return
+    self.link.send(("weights", step, self._offer(step, params)))
+
+  def _offer(self, key: int, params: Any) -> dict[str, Any]:
+    return self.link.offer(key, exp_lib.unshared(self._to_rollout(params), params))
+
+  @contextlib.contextmanager
+  def exclusive(self):
+    yield  # the rollout process evaluates between its batches (`evaluate`)
+
+  def close(self) -> None:
+    with contextlib.suppress(PeerError):
+      self.link.send(("stop", None))
+
+
+def evaluate(link: Link, to_rollout: Callable[[Any], Any], params: Any, step: int
+             ) -> dict[str, float]:
+  """The rollout process's evaluation of ``params`` (the training process's side)."""
+  key = _EVAL_KEY + step
+  offer = link.offer(key, exp_lib.unshared(to_rollout(params), params))
+  link.send(("evaluate", step, offer))
+  _, _, metrics = link.wait("evaluated", step)
+  if isinstance(metrics, BaseException):
+    raise metrics
+  return metrics
+
+
+def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[str, Any]],
+          restore: Callable[[dict[str, Any]], None], evaluator: Callable[..., dict[str, float]],
+          mesh) -> None:
+  """The rollout process: answers the training process until it says stop (module docstring).
+  ``restore`` sets the data's resume state; ``mesh`` is the rollout mesh (None on one
+  device)."""
+  source: exp_lib.OverlappedExperience | _PulledSync | None = None
+
+  def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
+    return link.pull(offer, mesh)[0]
+
+  try:
+    while True:
+      msg = link.recv()
+      kind = msg[0]
+      if kind == "stop":
+        return
+      if kind == "evaluate":
+        _, step, offer = msg
+        with source.exclusive() if source is not None else contextlib.nullcontext():
+          weights, _ = link.pull(offer, mesh)
+          try:
+            metrics = evaluator(weights, step=step)
+          except Exception as e:  # pylint: disable=broad-except  (raised in the trainer)
+            metrics = e
+        link.send(("evaluated", step, metrics))
+      elif kind == "start":
+        cfg = msg[2]
+        if cfg["resume"]:
+          restore(cfg["resume"])
+        first = link.wait("weights", cfg["start_step"])[2]
+        if cfg["max_staleness"]:
+          source = exp_lib.OverlappedExperience(
+              sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
+              start_step=cfg["start_step"], num_steps=cfg["num_steps"],
+              save_every=cfg["save_every"], params=first, partial=cfg["partial"],
+              owned=False)
+        else:
+          source = _PulledSync(sample, pulled, resume_state, cfg["start_step"], first)
+        threading.Thread(target=_send_batches, name="dapo-rollout-send", daemon=True,
+                         args=(link, source, cfg["start_step"], cfg["num_steps"])).start()
+      elif kind == "weights":
+        source.updated(msg[1], msg[2])
+      else:
+        raise PeerError(f"unexpected message {kind!r} from the training process")
+  except BaseException as e:
+    with contextlib.suppress(PeerError):  # the trainer stops with this process's reason
+      link.send(("error", None, f"{type(e).__name__}: {e}"))
+    raise
+  finally:
+    if source is not None:
+      source.close()
+
+
+def _send_batches(link: Link, source, start: int, end: int) -> None:
+  """The rollout process's batches, in step order, as they are ready."""
+  for step in range(start, end):
+    try:
+      out = source.next(step, None)
+    except _Closed:
+      return
+    except BaseException as e:  # pylint: disable=broad-except  (raised in the trainer)
+      if source.closed:
+        return
+      out = e
+    try:
+      link.send(("experience", step, out))
+    except PeerError:
+      return
+    if isinstance(out, BaseException):
+      return
+
+
+class _Closed(Exception):
+  """The source was closed before the batch."""
+
+
+class _PulledSync:
+  """``max_staleness`` 0 on the rollout process: step t's batch is sampled once version t has
+  been pulled (the trainer offers it after step t - 1's update)."""
+
+  def __init__(self, sample, pulled, resume_state, start: int, first: dict[str, Any]):
+    self._sample, self._pulled, self._resume_state = sample, pulled, resume_state
+    self._cond, self._offers, self.closed = threading.Condition(), {}, False
+    self._engine = threading.Lock()
+    self.updated(start, first)
+
+  def updated(self, step: int, offer: dict[str, Any]) -> None:
+    with self._cond:
+      self._offers[step] = offer
+      self._cond.notify_all()
+
+  def next(self, step: int, params: Any) -> exp_lib.Experience:
+    del params
+    with self._cond:
+      while step not in self._offers:
+        if self.closed:
+          raise _Closed()
+        self._cond.wait(timeout=1.0)
+      offer = self._offers.pop(step)
+    t0 = time.perf_counter()
+    weights = self._pulled(offer)
+    jax.block_until_ready(weights)
+    t1 = time.perf_counter()
+    with self._engine:
+      batch = self._sample(weights, step, step, None, None)
+      resume = self._resume_state()
+    return exp_lib.Experience(step, step, batch, resume,
+                              {"rollout": time.perf_counter() - t1, "weight_sync": t1 - t0,
+                               "weight_bytes": float(exp_lib._nbytes(weights))})  # pylint: disable=protected-access
+
+  def exclusive(self):
+    return self._engine
+
+  def close(self) -> None:
+    with self._cond:
+      self.closed = True
+      self._cond.notify_all()

@@ -1,0 +1,99 @@
+"""The rollout in a process of its own (trainer/rollout_process.py): the role checks, the two
+channels (infra/peer_link.py), and what crosses them. The two-process run itself:
+tests/test_overlap.py."""
+
+import pickle
+import threading
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax.infra import peer_link
+from dapo_jax.infra.peer_link import Link, PeerError
+from dapo_jax.trainer import rollout_process as rp
+from dapo_jax.trainer.dynamic_sampling import MaxGenBatchesExceededError, SamplingStats
+from tests import processes
+
+
+def _spec(rollout_devices=0):
+  return types.SimpleNamespace(rollout_devices=rollout_devices)
+
+
+@pytest.mark.parametrize("role, peer, devices, message", [
+    ("trainer", "", 0, "choose one of"),
+    ("both", "127.0.0.1:1234", 0, "--peer is for --role=train or --role=rollout"),
+    ("train", "", 0, "give the training process's HOST:PORT"),
+    ("rollout", "localhost", 0, "give the training process's HOST:PORT"),
+    ("train", "127.0.0.1:1234", 2, "set config.rollout_devices=0"),
+])
+def test_role_mistakes_are_one_line(role, peer, devices, message):
+  with pytest.raises(rp.RoleError, match=message):
+    rp.check_role(role, peer, _spec(devices))
+
+
+def test_roles_that_fit_pass():
+  rp.check_role("both", "", _spec(4))
+  rp.check_role("rollout", "10.0.0.2:29500", _spec(0))
+
+
+def test_a_peer_is_host_and_port():
+  assert peer_link.parse_peer("10.0.0.2:29500") == ("10.0.0.2", 29500)
+  with pytest.raises(peer_link.PeerAddressError, match="HOST:PORT"):
+    peer_link.parse_peer("10.0.0.2:")
+
+
+def test_no_rollout_process_is_one_line_after_the_wait():
+  peer = f"127.0.0.1:{processes.free_port()}"
+  with pytest.raises(PeerError, match=f"no rollout process connected to {peer} within 1 s"):
+    Link.listen(peer, "/tmp/w", timeout_s=1.0)
+
+
+def _pair(workdir="/tmp/w"):
+  """Both ends of a link in one process (two threads)."""
+  peer = f"127.0.0.1:{processes.free_port()}"
+  ends = {}
+  t = threading.Thread(target=lambda: ends.update(train=Link.listen(peer, workdir)))
+  t.start()
+  ends["rollout"] = Link.connect(peer, workdir)
+  t.join()
+  return ends["train"], ends["rollout"]
+
+
+def test_weights_are_pulled_by_key_in_any_order():
+  """The trainer offers two versions; the rollout pulls the newer first, each by its key, and
+  gets the same bits; batches come back host to host, kept until asked for."""
+  train, rollout = _pair()
+  try:
+    tree = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
+    offers = {v: train.offer(v, jax.tree.map(lambda x, v=v: x + v, tree)) for v in (1, 2)}
+    for v in (2, 1):
+      got, nbytes = rollout.pull(offers[v], None)
+      assert nbytes == 6 * 4 + 3 * 2
+      for k in tree:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(tree[k] + v))
+        assert got[k].dtype == tree[k].dtype
+    rollout.send(("experience", 3, "third"))
+    rollout.send(("evaluated", 2, {"eval/avg@4": 0.5}))
+    assert train.wait("evaluated", 2) == ("evaluated", 2, {"eval/avg@4": 0.5})
+    assert train.wait("experience", 3) == ("experience", 3, "third")  # kept meanwhile
+    rollout.send(("error", None, "ValueError: bad"))
+    with pytest.raises(PeerError, match="the rollout process stopped: ValueError: bad"):
+      train.wait("experience", 4)
+  finally:
+    train.close()
+    rollout.close()
+  with pytest.raises(PeerError, match="the other process has gone"):
+    train.recv()
+
+
+def test_a_stopped_batch_crosses_with_what_it_gathered():
+  """Dynamic sampling that stops on the rollout process reaches the trainer whole: its
+  message, groups, stats and the rollout's resume state (checkpointed by the trainer)."""
+  err = MaxGenBatchesExceededError("stopped", groups=[1, 2], stats=SamplingStats())
+  err.resume_state = {"iterator": {"epoch": 1}, "sampler": {"carried": [1, 2]}}
+  back = pickle.loads(pickle.dumps(err))
+  assert type(back) is MaxGenBatchesExceededError and str(back) == "stopped"
+  assert back.groups == [1, 2] and back.resume_state == err.resume_state
