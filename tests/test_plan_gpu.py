@@ -174,3 +174,27 @@ def test_dapo_plan_prints_compiled_gpu_rows(capsys):
   out = capsys.readouterr().out
   assert "peak (compiled)" in out and "FITS" in out
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
+
+
+@needs_plugin
+def test_overlap_split_compiles_each_set_on_its_own_chips(capsys):
+  """`rollout_devices=8` of 16 H100s: the overlap block compiles the training set's train step
+  on the first 8 (micro-batch halved, a chip keeps its rows) and the rollout set's paged chunk
+  on the last 8 with the pool the estimate gave it, each next to the estimate's figure."""
+  plan = plan_lib.main(["--config", os.path.join(CONFIGS, "tiny_cpu.py"), "--target",
+                        "gpu:h100:2x8", "--noestimate", "--config.rollout_devices=8",
+                        "--config.algorithm.max_staleness=1",
+                        "--config.algorithm.rollout_is=token_truncated"])
+  oe = plan["overlap_estimate"]
+  cs = oe["compiled_split"]
+  assert (cs["rollout_chips"], cs["train_chips"]) == (8, 8)
+  assert cs["train_micro_batch_size"] * 2 == plan["micro_batch_size"]
+  row = next(s for s in oe["splits"] if s["rollout_chips"] == 8)
+  assert cs["slots"] == row["slots"] > 0
+  assert cs["rollout"]["paged"]["pages_per_shard"] == row["pool_pages"]
+  assert cs["rollout"]["paged"]["impl"] == "pallas_gpu"
+  assert cs["train"]["peak"] > 0 and cs["train_fits"] and cs["rollout_fits"]
+  # The pool takes most of the rollout chips: their compiled peak is near the estimate's.
+  assert 0.9 < cs["rollout"]["peak"] / cs["estimate"]["rollout"] < 1.1
+  out = capsys.readouterr().out
+  assert "compiled split R=8 T=8: rollout set" in out and "training set" in out

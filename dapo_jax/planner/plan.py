@@ -42,7 +42,8 @@ from dapo_jax.planner import gpu_targets
 from dapo_jax.planner import plan_estimates as est
 from dapo_jax.planner import plan_overlap
 from dapo_jax.planner import plan_paged
-from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout,
+from dapo_jax.planner import plan_split
+from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout, reported,
                                        compile_decode_costs, compile_logprob, compile_rollout,
                                        compile_train_cost, compile_train_step, plan_model_config,
                                        sampling_params)
@@ -53,14 +54,6 @@ from dapo_jax.spec import cli
 from dapo_jax.spec.run_spec import RunSpec
 
 GiB = 1024**3
-
-
-def _reported(compile_fn, *args) -> dict[str, Any]:
-  """``compile_fn(*args)``, or the error it raised (a program the memory plan does not need)."""
-  try:
-    return compile_fn(*args)
-  except Exception as err:  # pylint: disable=broad-except
-    return {"error": f"{type(err).__name__}: {err}"[:500]}
 
 
 # Depths the estimate's programs are compiled at (unrolled) to get their cost at the model's.
@@ -75,7 +68,7 @@ def _costs_at_depth(compile_fn, *args, spec: RunSpec, mcfg: Qwen2Config) -> dict
   with ``COST_DEPTHS`` unrolled layers (small, quick compiles) and extrapolated
   (``plan_estimates.costs_at_depth``); the memory figures come from the full programs.
   """
-  runs = [_reported(compile_fn, spec, mcfg.replace(num_hidden_layers=d, scan_layers=False),
+  runs = [reported(compile_fn, spec, mcfg.replace(num_hidden_layers=d, scan_layers=False),
                     *args) for d in COST_DEPTHS]
   return est.costs_at_depth(runs[0], runs[1], COST_DEPTHS, mcfg.num_hidden_layers)
 
@@ -107,7 +100,7 @@ def _compile_paged_fit(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], t
     return {"skipped": f"{slots} slots fit: the configured engine's compile is that program"}
   fit = dataclasses.replace(spec, rollout=dataclasses.replace(spec.rollout,
                                                               max_concurrent_decodes=slots))
-  return _reported(compile_continuous_rollout, fit, mcfg, mesh, sp,
+  return reported(compile_continuous_rollout, fit, mcfg, mesh, sp,
                    dataclasses.replace(paged, num_pages=pe["pool_pages"]))
 
 
@@ -205,6 +198,9 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
     plan["paged_estimate"]["compiled"] = plan_paged.compiled_engines(plan)
     # The overlapped step (k = 1) on every split, next to the serial one (docs/overlap.md).
     plan["overlap_estimate"] = plan_overlap.for_plan(spec, mcfg, plan, target)
+    if not target.analytic:  # the split a run would use, each set's programs compiled
+      plan["overlap_estimate"]["compiled_split"] = plan_split.compile_split(
+          spec, mcfg, plan["overlap_estimate"], target)
   return plan
 
 

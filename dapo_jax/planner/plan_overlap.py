@@ -49,6 +49,7 @@ import numpy as np
 from dapo_jax.models import Qwen2Config, lora
 from dapo_jax.planner import plan_estimates as est
 from dapo_jax.planner import plan_paged
+from dapo_jax.planner import plan_split
 from dapo_jax.planner import targets
 from dapo_jax.spec.run_spec import RunSpec
 
@@ -349,6 +350,8 @@ def format_lines(oe: dict[str, Any]) -> list[str]:
       verdict += (f"; at published MFU rollout_devices={y['rollout_chips']}: "
                   f"{_h(y['step_published_mfu'])} against {_h(s['step_published_mfu'])}")
     lines.append(verdict)
+  if "compiled_split" in oe:
+    lines += plan_split.format_lines(oe["compiled_split"], oe["hbm_bytes"])
   return lines
 
 

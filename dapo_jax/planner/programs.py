@@ -102,6 +102,14 @@ def _refused(lowered, err: Exception) -> ProgramCompileError:
       "this target cannot compile, or a bug to report with the command)")
 
 
+def reported(compile_fn, *args) -> dict[str, Any]:
+  """``compile_fn(*args)``, or the error it raised (a program the memory plan does not need)."""
+  try:
+    return compile_fn(*args)
+  except Exception as err:  # pylint: disable=broad-except
+    return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def _compile(lowered) -> tuple[Any, dict[str, Any] | None, float]:
   """(compiled, None, seconds), or (None, what the compiler lacked, seconds) when libtpu refuses
   a program that cannot fit in HBM (it says by how much); any other refusal raises
