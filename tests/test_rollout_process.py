@@ -2,9 +2,12 @@
 channels (infra/peer_link.py), and what crosses them. The two-process run itself:
 tests/test_overlap.py."""
 
+import multiprocessing
 import pickle
 import threading
+import time
 import types
+from multiprocessing import connection
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +48,13 @@ def test_a_peer_is_host_and_port():
     peer_link.parse_peer("10.0.0.2:")
 
 
-def test_no_rollout_process_is_one_line_after_the_wait():
+def test_no_rollout_process_is_one_line_after_the_wait(tmp_path):
   peer = f"127.0.0.1:{processes.free_port()}"
   with pytest.raises(PeerError, match=f"no rollout process connected to {peer} within 1 s"):
-    Link.listen(peer, "/tmp/w", timeout_s=1.0)
+    Link.listen(peer, str(tmp_path), timeout_s=1.0)
 
 
-def _pair(workdir="/tmp/w"):
+def _pair(workdir):
   """Both ends of a link in one process (two threads)."""
   peer = f"127.0.0.1:{processes.free_port()}"
   ends = {}
@@ -62,10 +65,10 @@ def _pair(workdir="/tmp/w"):
   return ends["train"], ends["rollout"]
 
 
-def test_weights_are_pulled_by_key_in_any_order():
+def test_weights_are_pulled_by_key_in_any_order(tmp_path):
   """The trainer offers two versions; the rollout pulls the newer first, each by its key, and
   gets the same bits; batches come back host to host, kept until asked for."""
-  train, rollout = _pair()
+  train, rollout = _pair(str(tmp_path))
   try:
     tree = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
     offers = {v: train.offer(v, jax.tree.map(lambda x, v=v: x + v, tree)) for v in (1, 2)}
@@ -87,6 +90,28 @@ def test_weights_are_pulled_by_key_in_any_order():
     rollout.close()
   with pytest.raises(PeerError, match="the other process has gone"):
     train.recv()
+
+
+def test_only_a_process_with_this_launchs_key_connects(tmp_path, monkeypatch):
+  """The key is random per launch, in the workdir, readable by its owner alone; a process
+  holding another key is turned away (the channel carries pickles) and may retry."""
+  monkeypatch.delenv("DAPO_PEER_KEY", raising=False)
+  key_path = tmp_path / peer_link.KEY_FILE
+  train, rollout = _pair(str(tmp_path))
+  first = key_path.read_bytes()
+  assert len(first) == 64 and oct(key_path.stat().st_mode & 0o777) == "0o600"
+  train.close(), rollout.close()
+  train, rollout = _pair(str(tmp_path))
+  assert key_path.read_bytes() != first  # a new key each launch
+  train.close(), rollout.close()
+  peer = f"127.0.0.1:{processes.free_port()}"
+  t = threading.Thread(target=lambda: pytest.raises(PeerError, Link.listen, peer,
+                                                    str(tmp_path), timeout_s=3.0))
+  t.start()
+  time.sleep(0.5)
+  with pytest.raises(multiprocessing.AuthenticationError):
+    connection.Client(tuple([peer.split(":")[0], int(peer.split(":")[1])]), authkey=first)
+  t.join()
 
 
 def test_a_stopped_batch_crosses_with_what_it_gathered():

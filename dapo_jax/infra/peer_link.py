@@ -7,17 +7,22 @@ channel for host objects and a transfer server for arrays.
   the same order, and neither takes part in the other's programs or collectives (the two are
   not one ``jax.distributed`` job). Shards keep their shapes: the sides need the same device
   count and the same layout axes.
-- **Host objects** (`multiprocessing.connection`, pickled, authenticated with a key from
-  ``DAPO_PEER_KEY`` or else from the run's workdir): messages ``(kind, key, payload)``; `wait`
-  returns the one asked for and keeps the others for later.
+- **Host objects** (`multiprocessing.connection`): messages ``(kind, key, payload)``; `wait`
+  returns the one asked for and keeps the others for later. They are pickled, as
+  multiprocessing's own are (the verifier's worker processes too), so only a process holding
+  the channel's key may connect (HMAC challenge): ``DAPO_PEER_KEY`` when set, else a random key
+  the training process writes to ``<workdir>/rollout_peer.key`` (mode 0600 on a local disk) at
+  each launch. Whoever can read the run's workdir can connect, as whoever can write it can
+  change its checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import multiprocessing
 import os
 import pickle
+import secrets
 import socket
 import threading
 import time
@@ -25,6 +30,8 @@ from multiprocessing import connection
 from typing import Any
 
 import jax
+
+from dapo_jax.infra import run_files
 
 CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading a checkpoint
 
@@ -37,12 +44,37 @@ class PeerAddressError(ValueError):
   """A ``--peer`` that is not HOST:PORT."""
 
 
-def _authkey(workdir: str) -> bytes:
-  """The control channel's key: ``DAPO_PEER_KEY`` when set (set it on a shared network), else
-  one derived from the run's workdir, which both processes are given."""
-  key = os.environ.get("DAPO_PEER_KEY")
-  return (key.encode() if key else
-          hashlib.sha256(f"dapo_jax:{workdir}".encode()).digest())
+KEY_FILE = "rollout_peer.key"  # in the workdir: this launch's channel key (module docstring)
+
+
+def _new_key(workdir: str) -> bytes:
+  """The training process's key for this launch (written for the rollout process to read)."""
+  if os.environ.get("DAPO_PEER_KEY"):
+    return os.environ["DAPO_PEER_KEY"].encode()
+  key = secrets.token_hex(32).encode()
+  path = run_files.resolve(workdir) / KEY_FILE
+  if run_files.is_remote(path):
+    run_files.write_bytes_atomic(path, key)
+    return key
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  with os.fdopen(fd, "wb") as f:
+    f.write(key)
+  os.replace(tmp, path)
+  return key
+
+
+def _read_key(workdir: str) -> bytes | None:
+  """The rollout process's key: the training process's of this launch (None: not written
+  yet)."""
+  if os.environ.get("DAPO_PEER_KEY"):
+    return os.environ["DAPO_PEER_KEY"].encode()
+  path = run_files.resolve(workdir) / KEY_FILE
+  try:
+    return path.read_bytes()
+  except (FileNotFoundError, OSError):
+    return None
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -81,13 +113,12 @@ class Link:
           f"weights keep their shard shapes): this one has {jax.local_device_count()} "
           f"{jax.default_backend()} devices, the other {hello['devices']} {hello['platform']}")
     self._inbox: list[tuple] = []
-    self.last_nbytes = 0
 
   @classmethod
   def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
     """The training process: waits for the rollout process to connect to ``peer``."""
     host, port = parse_peer(peer)
-    listener = connection.Listener((host, port), authkey=_authkey(workdir))
+    listener = connection.Listener((host, port), authkey=_new_key(workdir))
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(_accept(listener)), daemon=True)
     t.start()
@@ -107,11 +138,14 @@ class Link:
     listens)."""
     host, port = parse_peer(peer)
     deadline = time.monotonic() + timeout_s
-    while True:
+    while True:  # until it listens with the key it wrote for this launch
       try:
-        conn = connection.Client((host, port), authkey=_authkey(workdir))
+        key = _read_key(workdir)
+        if key is None:
+          raise FileNotFoundError(f"no {KEY_FILE} in {workdir} yet")
+        conn = connection.Client((host, port), authkey=key)
         break
-      except (ConnectionRefusedError, OSError) as e:
+      except (OSError, multiprocessing.AuthenticationError) as e:
         if time.monotonic() > deadline:
           raise PeerError(f"the training process at {peer} did not answer within "
                           f"{timeout_s:.0f} s ({e})") from e
@@ -119,39 +153,34 @@ class Link:
     return cls(conn, _local_address(host))
 
   def send(self, msg: tuple) -> int:
-    """Sends ``msg``; its size in bytes."""
+    """Sends ``msg``; its size in bytes, pickled."""
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     with self._send_lock:
       try:
-        self._conn.send_bytes(data)
+        self._conn.send_bytes(data)  # what Connection.send sends: `recv` reads it
       except (OSError, EOFError) as e:
         raise PeerError(f"the other process has gone ({e})") from e
     return len(data)
 
   def recv(self) -> tuple:
-    """The next message (``last_nbytes``: its size)."""
+    """The next message."""
     try:
-      data = self._conn.recv_bytes()
+      return self._conn.recv()
     except (OSError, EOFError) as e:
       raise PeerError(f"the other process has gone ({e})") from e
-    msg = pickle.loads(data)
-    self.last_nbytes = len(data)
-    return msg
 
   def wait(self, kind: str, key: Any) -> tuple:
-    """The first message ``(kind, key, payload)``; others that come first are kept for later.
-    ``last_nbytes``: its size."""
+    """The first message ``(kind, key, payload)``; others that come first are kept for later."""
     for i, msg in enumerate(self._inbox):
       if msg[:2] == (kind, key):
-        self.last_nbytes = msg[3]
-        return self._inbox.pop(i)[:3]
+        return self._inbox.pop(i)
     while True:
       msg = self.recv()
       if msg[0] == "error":
         raise PeerError(f"the rollout process stopped: {msg[2]}")
       if msg[:2] == (kind, key):
         return msg
-      self._inbox.append((*msg, self.last_nbytes))
+      self._inbox.append(msg)
 
   def offer(self, key: int, tree: Any) -> dict[str, Any]:
     """Offers ``tree`` (arrays on this process's devices) for one pull under ``key``; what the
@@ -178,10 +207,15 @@ class Link:
 
 
 def _accept(listener: connection.Listener):
-  try:
-    return listener.accept()
-  except BaseException as e:  # pylint: disable=broad-except  (reported by `listen`)
-    return e
+  """The first connection that proves the key (a rollout process holding an earlier launch's
+  key retries with the new one)."""
+  while True:
+    try:
+      return listener.accept()
+    except multiprocessing.AuthenticationError:
+      continue
+    except BaseException as e:  # pylint: disable=broad-except  (reported by `listen`)
+      return e
 
 
 def _spec(sharding) -> Any:

@@ -93,8 +93,9 @@ class RemoteExperience:
     _, _, out = self.link.wait("experience", step)
     if isinstance(out, BaseException):
       raise out
+    _, _, nbytes = self.link.wait("sent", step)  # the batch's size, as the rollout sent it
     out.times["trainer_idle"] = time.perf_counter() - t0
-    out.times["batch_bytes"] = float(self.link.last_nbytes)
+    out.times["batch_bytes"] = float(nbytes)
     return out
 
   def updated(self, step: int, params: Any) -> None:
@@ -193,7 +194,7 @@ def _send_batches(link: Link, source, start: int, end: int) -> None:
         return
       out = e
     try:
-      link.send(("experience", step, out))
+      link.send(("sent", step, link.send(("experience", step, out))))
     except PeerError:
       return
     if isinstance(out, BaseException):
