@@ -21,24 +21,26 @@ from dapo_jax.trainer.dynamic_sampling import MaxGenBatchesExceededError, Sampli
 from tests import processes
 
 
-def _spec(rollout_devices=0):
-  return types.SimpleNamespace(rollout_devices=rollout_devices)
+def _spec(rollout_devices=0, max_staleness=1):
+  return types.SimpleNamespace(rollout_devices=rollout_devices,
+                               algorithm=types.SimpleNamespace(max_staleness=max_staleness))
 
 
-@pytest.mark.parametrize("role, peer, devices, message", [
-    ("trainer", "", 0, "choose one of"),
-    ("both", "127.0.0.1:1234", 0, "--peer is for --role=train or --role=rollout"),
-    ("train", "", 0, "give the training process's HOST:PORT"),
-    ("rollout", "localhost", 0, "give the training process's HOST:PORT"),
-    ("train", "127.0.0.1:1234", 2, "set config.rollout_devices=0"),
+@pytest.mark.parametrize("role, peer, devices, k, message", [
+    ("trainer", "", 0, 1, "choose one of"),
+    ("both", "127.0.0.1:1234", 0, 1, "--peer is for --role=train or --role=rollout"),
+    ("train", "", 0, 1, "give the training process's HOST:PORT"),
+    ("rollout", "localhost", 0, 1, "give the training process's HOST:PORT"),
+    ("train", "127.0.0.1:1234", 2, 1, "set config.rollout_devices=0"),
+    ("rollout", "127.0.0.1:1234", 0, 0, "set algorithm.max_staleness >= 1"),
 ])
-def test_role_mistakes_are_one_line(role, peer, devices, message):
+def test_role_mistakes_are_one_line(role, peer, devices, k, message):
   with pytest.raises(rp.RoleError, match=message):
-    rp.check_role(role, peer, _spec(devices))
+    rp.check_role(role, peer, _spec(devices, k))
 
 
 def test_roles_that_fit_pass():
-  rp.check_role("both", "", _spec(4))
+  rp.check_role("both", "", _spec(4, 0))
   rp.check_role("rollout", "10.0.0.2:29500", _spec(0))
 
 

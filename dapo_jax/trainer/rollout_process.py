@@ -29,7 +29,6 @@ samples what the one-process split samples, step for step.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from typing import Any, Callable
@@ -38,8 +37,6 @@ import jax
 
 from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, parse_peer
 from dapo_jax.trainer import experience as exp_lib
-
-_log = logging.getLogger(__name__)
 
 ROLES = ("both", "train", "rollout")
 _EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (sampling: version)
@@ -61,6 +58,10 @@ def check_role(role: str, peer: str, spec) -> None:
     parse_peer(peer)
   except PeerAddressError as e:
     raise RoleError(str(e)) from None
+  if not spec.algorithm.max_staleness:
+    raise RoleError(f"--role={role} with algorithm.max_staleness=0: a rollout process of its "
+                    "own runs ahead of the update; set algorithm.max_staleness >= 1 (with "
+                    "algorithm.rollout_is), or run one process (no --role) for the serial step")
   if spec.rollout_devices:
     raise RoleError(f"--role={role} with config.rollout_devices={spec.rollout_devices}: the "
                      "rollout has a process of its own; set config.rollout_devices=0")
@@ -71,8 +72,8 @@ def check_role(role: str, peer: str, spec) -> None:
 
 class RemoteExperience:
   """The training process's experience source: batches sampled by the rollout process, weights
-  offered to it after each update (`experience.OverlappedExperience`'s interface and schedule;
-  ``max_staleness`` 0 is the synchronous step with the rollout on the other process)."""
+  offered to it after each update (`experience.OverlappedExperience`'s interface and schedule,
+  ``max_staleness`` >= 1)."""
 
   def __init__(self, link: Link, to_rollout: Callable[[Any], Any], *, max_staleness: int,
                start_step: int, num_steps: int, save_every: int, params: Any,
@@ -134,7 +135,7 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   """The rollout process: answers the training process until it says stop (module docstring).
   ``restore`` sets the data's resume state; ``mesh`` is the rollout mesh (None on one
   device)."""
-  source: exp_lib.OverlappedExperience | _PulledSync | None = None
+  source: exp_lib.OverlappedExperience | None = None
 
   def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
     return link.pull(offer, mesh)[0]
@@ -159,14 +160,10 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
         if cfg["resume"]:
           restore(cfg["resume"])
         first = link.wait("weights", cfg["start_step"])[2]
-        if cfg["max_staleness"]:
-          source = exp_lib.OverlappedExperience(
-              sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
-              start_step=cfg["start_step"], num_steps=cfg["num_steps"],
-              save_every=cfg["save_every"], params=first, partial=cfg["partial"],
-              owned=False)
-        else:
-          source = _PulledSync(sample, pulled, resume_state, cfg["start_step"], first)
+        source = exp_lib.OverlappedExperience(
+            sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
+            start_step=cfg["start_step"], num_steps=cfg["num_steps"],
+            save_every=cfg["save_every"], params=first, partial=cfg["partial"], owned=False)
         threading.Thread(target=_send_batches, name="dapo-rollout-send", daemon=True,
                          args=(link, source, cfg["start_step"], cfg["num_steps"])).start()
       elif kind == "weights":
@@ -187,8 +184,6 @@ def _send_batches(link: Link, source, start: int, end: int) -> None:
   for step in range(start, end):
     try:
       out = source.next(step, None)
-    except _Closed:
-      return
     except BaseException as e:  # pylint: disable=broad-except  (raised in the trainer)
       if source.closed:
         return
@@ -199,50 +194,3 @@ def _send_batches(link: Link, source, start: int, end: int) -> None:
       return
     if isinstance(out, BaseException):
       return
-
-
-class _Closed(Exception):
-  """The source was closed before the batch."""
-
-
-class _PulledSync:
-  """``max_staleness`` 0 on the rollout process: step t's batch is sampled once version t has
-  been pulled (the trainer offers it after step t - 1's update)."""
-
-  def __init__(self, sample, pulled, resume_state, start: int, first: dict[str, Any]):
-    self._sample, self._pulled, self._resume_state = sample, pulled, resume_state
-    self._cond, self._offers, self.closed = threading.Condition(), {}, False
-    self._engine = threading.Lock()
-    self.updated(start, first)
-
-  def updated(self, step: int, offer: dict[str, Any]) -> None:
-    with self._cond:
-      self._offers[step] = offer
-      self._cond.notify_all()
-
-  def next(self, step: int, params: Any) -> exp_lib.Experience:
-    del params
-    with self._cond:
-      while step not in self._offers:
-        if self.closed:
-          raise _Closed()
-        self._cond.wait(timeout=1.0)
-      offer = self._offers.pop(step)
-    t0 = time.perf_counter()
-    weights = self._pulled(offer)
-    jax.block_until_ready(weights)
-    t1 = time.perf_counter()
-    with self._engine:
-      batch = self._sample(weights, step, step, None, None)
-      resume = self._resume_state()
-    return exp_lib.Experience(step, step, batch, resume,
-                              {"rollout": time.perf_counter() - t1, "weight_sync": t1 - t0,
-                               "weight_bytes": float(exp_lib._nbytes(weights))})  # pylint: disable=protected-access
-
-  def exclusive(self):
-    return self._engine
-
-  def close(self) -> None:
-    with self._cond:
-      self.closed = True
-      self._cond.notify_all()
