@@ -107,13 +107,21 @@ def test_only_a_process_with_this_launchs_key_connects(tmp_path, monkeypatch):
   assert key_path.read_bytes() != first  # a new key each launch
   train.close(), rollout.close()
   peer = f"127.0.0.1:{processes.free_port()}"
-  t = threading.Thread(target=lambda: pytest.raises(PeerError, Link.listen, peer,
-                                                    str(tmp_path), timeout_s=3.0))
+  listened = []
+
+  def listen():
+    try:
+      listened.append(Link.listen(peer, str(tmp_path), timeout_s=3.0))
+    except PeerError as e:
+      listened.append(e)
+
+  t = threading.Thread(target=listen)
   t.start()
   time.sleep(0.5)
   with pytest.raises(multiprocessing.AuthenticationError):
-    connection.Client(tuple([peer.split(":")[0], int(peer.split(":")[1])]), authkey=first)
+    connection.Client(peer_link.parse_peer(peer), authkey=first)
   t.join()
+  assert isinstance(listened[0], PeerError)  # the stale key never became a link
 
 
 def test_a_stopped_batch_crosses_with_what_it_gathered():

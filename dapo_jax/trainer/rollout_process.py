@@ -85,9 +85,6 @@ class RemoteExperience:
                                "partial": partial, "resume": resume}))
     self.updated(start_step, params)
 
-  def version(self, step: int) -> int:
-    return exp_lib.scheduled_version(step, self.max_staleness, self._save_every, self._start)
-
   def next(self, step: int, params: Any) -> exp_lib.Experience:
     del params
     t0 = time.perf_counter()
@@ -103,10 +100,7 @@ class RemoteExperience:
     if not exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
                                   self._end):
       return
-    self.link.send(("weights", step, self._offer(step, params)))
-
-  def _offer(self, key: int, params: Any) -> dict[str, Any]:
-    return self.link.offer(key, exp_lib.unshared(self._to_rollout(params), params))
+    self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
 
   @contextlib.contextmanager
   def exclusive(self):
@@ -120,13 +114,17 @@ class RemoteExperience:
 def evaluate(link: Link, to_rollout: Callable[[Any], Any], params: Any, step: int
              ) -> dict[str, float]:
   """The rollout process's evaluation of ``params`` (the training process's side)."""
-  key = _EVAL_KEY + step
-  offer = link.offer(key, exp_lib.unshared(to_rollout(params), params))
-  link.send(("evaluate", step, offer))
+  link.send(("evaluate", step, _offer(link, to_rollout, _EVAL_KEY + step, params)))
   _, _, metrics = link.wait("evaluated", step)
   if isinstance(metrics, BaseException):
     raise metrics
   return metrics
+
+
+def _offer(link: Link, to_rollout: Callable[[Any], Any], key: int, params: Any
+           ) -> dict[str, Any]:
+  """The rollout's copy of ``params`` offered under ``key`` (never arrays the update donates)."""
+  return link.offer(key, exp_lib.unshared(to_rollout(params), params))
 
 
 def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[str, Any]],
