@@ -186,7 +186,7 @@ def transfer_side(args, rank, rollout_axes):
   same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
       jax.tree.leaves(old(adapters, state.rest)), jax.tree.leaves(new(adapters))))
   kernels, _ = new.split_kernels(new.rollout_base(), adapters)
-  merge_text = new._fn.lower(new.move_adapters(adapters), kernels).compile().as_text()  # pylint: disable=protected-access
+  merge_text = new._fn.lower(new.send(adapters), kernels).compile().as_text()  # pylint: disable=protected-access
   old_s = _time(lambda: old(adapters, state.rest), args.transfer_repeats)
   new_s = _time(lambda: new(adapters), args.transfer_repeats)
   nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))

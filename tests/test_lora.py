@@ -179,7 +179,7 @@ def test_an_adapter_update_reaches_both_samplers():
   assert to_rollout.resident_bytes == shd.per_device_bytes(base, jax.tree.map(
       lambda x: x.sharding, base)) > 0
   kernels, _ = to_rollout.split_kernels(base, adapters)
-  moved = to_rollout.move_adapters(adapters)
+  moved = to_rollout.send(adapters)
   hlo = to_rollout._fn.lower(moved, kernels).compile().as_text()  # pylint: disable=protected-access
   assert shd.collective_bytes(hlo) == 0  # the merge runs where the rollout reads it
   for x, s in zip(jax.tree.leaves(moved), jax.tree.leaves(to_rollout.rollout_shardings(moved))):

@@ -20,7 +20,7 @@ from dapo_jax.trainer import train
 from dapo_jax.trainer import trajectories as traj_lib
 from dapo_jax.trainer.train import train_and_evaluate
 from tests import processes
-from tests.test_train_e2e import _small_config
+from tests.test_train_e2e import _params, _small_config
 
 _TIMING = ("time/", "perf/")
 
@@ -194,11 +194,14 @@ def _metrics(workdir):
           for r in rows if r["step"] > 0}
 
 
-def _overlap_config(num_steps):
-  return _small_config(**{
+def _overlap_config(num_steps, lora_rank=0):
+  c = _small_config(**{
       "num_steps": num_steps, "algorithm.max_staleness": 1,
       "algorithm.rollout_is": "token_truncated", "rollout_devices": 4,
       "checkpoint.save_every": 2, "eval.every": 2})
+  if lora_rank:
+    c.model.lora.rank, c.model.lora.alpha, c.optim.lr = lora_rank, 2.0 * lora_rank, 1e-2
+  return c
 
 
 @pytest.fixture(scope="module")
@@ -244,19 +247,20 @@ _TWO_PROCESS = """
 import sys
 from tests.test_overlap import _overlap_config
 from dapo_jax.trainer.train import train_and_evaluate
-role, peer, workdir, steps = sys.argv[1:5]
-c = _overlap_config(int(steps))
+role, peer, workdir, steps, lora_rank = sys.argv[1:6]
+c = _overlap_config(int(steps), int(lora_rank))
 c.rollout_devices = 0
 train_and_evaluate(c, workdir, role=role, peer=peer)
 """
 
 
-def _two_process_launch(workdir, steps):
+def _two_process_launch(workdir, steps, lora_rank=0):
   """``--role=train`` and ``--role=rollout`` processes of 4 CPU devices each (one launch)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   peer = f"127.0.0.1:{processes.free_port()}"
   procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS, role, peer, workdir,
-                             str(steps)], cwd=root, env=processes.process_env(root, 4, {}),
+                             str(steps), str(lora_rank)], cwd=root,
+                            env=processes.process_env(root, 4, {}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for role in ("rollout", "train")]
   processes.wait_all(procs, stall_s=600, what="process", watch=[workdir])
@@ -275,3 +279,18 @@ def test_rollout_in_a_process_of_its_own_equals_the_one_process_split(tmp_path,
   assert all(b[s].pop("sync/batch_bytes") > 0 for s in b)  # the batch host to host
   assert a == b
   assert all(b[s]["sync/weight_bytes"] > 0 for s in b)
+
+
+def test_a_lora_rollout_process_pulls_the_adapters_alone(tmp_path, whole_split_run):
+  """LoRA in two processes: the rollout process holds the frozen base it loaded itself and
+  merges the adapters it pulls each step. Its metrics equal the one-process LoRA split's, and
+  the bytes handed over per step are the adapters' (fp32), in both layouts."""
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  train_and_evaluate(_overlap_config(2, lora_rank=2), one)
+  _two_process_launch(two, 2, lora_rank=2)
+  a, b = _metrics(one), _metrics(two)
+  assert all(b[s].pop("sync/batch_bytes") > 0 for s in b)
+  assert a == b and set(a) == {1, 2} and "eval/avg@4" in a[2]
+  adapter_bytes = sum(np.asarray(x).nbytes for x in _params(one, 2))  # the trained params
+  assert all(a[s]["sync/weight_bytes"] == adapter_bytes for s in a)
+  assert adapter_bytes < whole_split_run[0][1]["sync/weight_bytes"] / 4  # the merged model's

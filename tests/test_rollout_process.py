@@ -132,3 +132,33 @@ def test_a_stopped_batch_crosses_with_what_it_gathered():
   back = pickle.loads(pickle.dumps(err))
   assert type(back) is MaxGenBatchesExceededError and str(back) == "stopped"
   assert back.groups == [1, 2] and back.resume_state == err.resume_state
+
+
+def test_a_rollout_process_on_another_lora_base_stops_the_run_in_one_line(tmp_path):
+  """The rollout process merges pulled adapters into the base it loaded itself: a base whose
+  fingerprint is not the training process's is refused at the start, and the trainer learns
+  why."""
+  train, rollout = _pair(str(tmp_path))
+  here = {"source": "preset test (random init, seed 1)", "fingerprint": 1, "signature": "s"}
+  theirs = dict(here, source="preset test (random init, seed 0)", fingerprint=2)
+  served = []
+
+  def serve():
+    try:
+      rp.serve(rollout, None, dict, None, None, None, lora_base=here)
+    except ValueError as e:
+      served.append(e)
+
+  t = threading.Thread(target=serve)
+  t.start()
+  try:
+    train.send(("start", None, {"lora_base": theirs, "resume": None}))
+    with pytest.raises(PeerError, match=r"the rollout process stopped: ValueError: the training "
+                       r"process holds LoRA adapters of the base preset test \(random init, "
+                       r"seed 0\).*start both processes with the same --config"):
+      train.wait("experience", 0)
+    t.join()
+    assert served and "\n" not in str(served[0])
+  finally:
+    train.close()
+    rollout.close()

@@ -25,6 +25,10 @@ class RolloutWeights:
   bytes, never the fp32 copy: this is the reshard ``dapo-plan`` compiles and prices. The trainer
   makes one copy per step, shared by every rollout call (``rollout.prompts_per_call``) and
   evaluation of that step, and drops it before the update.
+
+  The hand-off has two halves: `send` (the trainer's side: what crosses to the rollout's
+  devices, or to a rollout process of its own) and `receive` (the rollout's side: what the
+  samplers read, made from what crossed). Calling the object does both.
   """
 
   def __init__(self, dtype: Any, mesh: Mesh | None):
@@ -32,6 +36,14 @@ class RolloutWeights:
     self._fn = None
 
   def __call__(self, params):
+    return self.receive(self.send(params))
+
+  def receive(self, moved: Any) -> Any:
+    """The rollout's weights from what `send` moved: the same tree."""
+    return moved
+
+  def send(self, params):
+    """``params`` cast to the model's dtype in the rollout layout: every weight crosses."""
     floats = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
     if self.mesh is None and all(x.dtype == self.dtype for x in floats):
       return params  # one device, already the model's dtype: nothing to cast or move
@@ -108,20 +120,21 @@ class MergedRolloutWeights(RolloutWeights):
     kernels = [(p, v) for p, v in flat if p[-1] == "kernel" and p[:-1] in adapted]
     return nnx.from_flat_state(kernels), flat
 
-  def move_adapters(self, adapters: Any) -> Any:
-    """The adapters in the rollout layout: the only bytes that move per step."""
+  def send(self, adapters: Any) -> Any:
+    """The adapters (fp32) in the rollout layout: the only bytes that move per step."""
     want = self.rollout_shardings(adapters)
     return adapters if want is None else jax.device_put(adapters, want)
 
-  def __call__(self, adapters):
+  def receive(self, moved: Any) -> Any:
+    """The merged weights, made on the rollout's devices from the adapters `send` moved."""
     from dapo_jax.models import lora  # pylint: disable=g-import-not-at-top
     base = self.rollout_base()
-    kernels, flat = self.split_kernels(base, adapters)
+    kernels, flat = self.split_kernels(base, moved)
     if self._fn is None:
       def merge(adapters, kernels):
         return cast_params(lora.merge_adapters(kernels, adapters, self.scale), self.dtype)
       self._fn = jax.jit(merge, out_shardings=self.rollout_shardings(kernels))
-    merged = dict(nnx.to_flat_state(self._fn(self.move_adapters(adapters), kernels)))
+    merged = dict(nnx.to_flat_state(self._fn(moved, kernels)))
     return nnx.from_flat_state([(p, merged.get(p, v)) for p, v in flat])
 
 

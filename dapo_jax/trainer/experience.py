@@ -90,13 +90,17 @@ class OverlappedExperience:
   rollouts; every token records its version). Fresher tokens, but which tokens get which
   version depends on timing: such a run does not repeat bit for bit. ``owned``: ``params``
   belongs to a trainer whose update donates it (the rollout process's own source,
-  `rollout_process`, gets weights nobody donates: False).
+  `rollout_process`, gets weights nobody donates: False). ``to_rollout`` makes what crosses to
+  the rollout (called in `updated`), ``receive`` (default: as it is) what the rollout samples
+  with, from that (called by the rollout thread; a LoRA run merges its adapters there).
+  ``weight_bytes`` counts what crossed.
   """
 
   def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
                resume_state: Callable[[], dict[str, Any]], *, max_staleness: int,
                start_step: int, num_steps: int, save_every: int, params: Any,
-               partial: bool = False, owned: bool = True):
+               partial: bool = False, owned: bool = True,
+               receive: Callable[[Any], Any] | None = None):
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
     if jax.process_count() > 1:
@@ -105,6 +109,7 @@ class OverlappedExperience:
           "cross-process gathers would interleave with the trainer's (docs/overlap.md).")
     self.max_staleness, self.partial, self._owned = max_staleness, partial, owned
     self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
+    self._receive = receive or (lambda moved: moved)
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
     self._cond = threading.Condition()
     self._engine = threading.Lock()  # the rollout engine: the thread's batches, or evaluation
@@ -181,9 +186,9 @@ class OverlappedExperience:
       try:
         t0 = time.perf_counter()
         v = self.version(step)
-        weights, handoff_s = self._wait_for(v)
+        moved, handoff_s = self._wait_for(v)
         t1 = time.perf_counter()
-        jax.block_until_ready(weights)  # the move, if still under way
+        weights = jax.block_until_ready(self._receive(moved))  # the move, if still under way
         t2 = time.perf_counter()
         with self._engine:
           batch = self._sample(weights, step, v, self._newer(v) if self.partial else None,
@@ -193,7 +198,7 @@ class OverlappedExperience:
         out: Experience | BaseException = Experience(
             step, v, batch, resume,
             {"rollout": t3 - t2, "rollout_idle": t1 - t0,
-             "weight_sync": handoff_s + (t2 - t1), "weight_bytes": float(_nbytes(weights))})
+             "weight_sync": handoff_s + (t2 - t1), "weight_bytes": float(_nbytes(moved))})
       except _Stopped:
         return
       except BaseException as e:  # pylint: disable=broad-except  (raised in the trainer)
@@ -223,7 +228,8 @@ class OverlappedExperience:
         if latest <= current[0]:
           return None
         current[0] = latest
-        return self._weights[latest][0], latest
+        moved = self._weights[latest][0]
+      return self._receive(moved), latest
     return newest
 
 
@@ -257,9 +263,12 @@ def open_source(max_staleness: int, sample: SampleFn, to_rollout: Callable[[Any]
                 resume_state: Callable[[], dict[str, Any]], *, start_step: int, num_steps: int,
                 save_every: int, params: Any, partial: bool = False):
   """The run's experience source: `SyncExperience` at ``max_staleness`` 0, else
-  `OverlappedExperience`."""
+  `OverlappedExperience`. ``to_rollout``: the run's `rollout.weights.RolloutWeights` (or a
+  function of the params); an overlapped source calls its ``send`` half when the weights are
+  handed over and its ``receive`` half when the rollout takes them."""
   if not max_staleness:
     return SyncExperience(sample, to_rollout, resume_state)
-  return OverlappedExperience(sample, to_rollout, resume_state, max_staleness=max_staleness,
-                              start_step=start_step, num_steps=num_steps,
-                              save_every=save_every, params=params, partial=partial)
+  return OverlappedExperience(sample, getattr(to_rollout, "send", to_rollout), resume_state,
+                              max_staleness=max_staleness, start_step=start_step,
+                              num_steps=num_steps, save_every=save_every, params=params,
+                              partial=partial, receive=getattr(to_rollout, "receive", None))

@@ -11,7 +11,10 @@ Two channels join them:
 - **weights, device to device** (`jax.experimental.transfer`): after each update the trainer
   casts the weights the schedule needs on its own devices, laid out as the rollout lays them out
   (the rollout mesh's axes over the training devices), and offers them under the policy
-  version; the rollout process pulls them onto its devices by that key. A pull names what it
+  version; the rollout process pulls them onto its devices by that key. A LoRA run offers its
+  adapters alone: the rollout process holds the frozen base (loaded from the same source,
+  checked by fingerprint at the start) and merges them there (`RolloutWeights.send` and
+  ``receive``). A pull names what it
   wants, so the two sides never have to issue transfers in the same order. The two sets must
   have the same device count (equal shard shapes) (`infra.peer_link`);
 - **everything else, host to host** (`multiprocessing.connection`, pickled, authenticated):
@@ -77,12 +80,13 @@ class RemoteExperience:
 
   def __init__(self, link: Link, to_rollout: Callable[[Any], Any], *, max_staleness: int,
                start_step: int, num_steps: int, save_every: int, params: Any,
-               partial: bool, resume: dict[str, Any] | None):
+               partial: bool, resume: dict[str, Any] | None,
+               lora_base: dict[str, Any] | None = None):
     self.link, self._to_rollout, self.max_staleness = link, to_rollout, max_staleness
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
     link.send(("start", None, {"start_step": start_step, "num_steps": num_steps,
                                "save_every": save_every, "max_staleness": max_staleness,
-                               "partial": partial, "resume": resume}))
+                               "partial": partial, "resume": resume, "lora_base": lora_base}))
     self.updated(start_step, params)
 
   def next(self, step: int, params: Any) -> exp_lib.Experience:
@@ -129,11 +133,15 @@ def _offer(link: Link, to_rollout: Callable[[Any], Any], key: int, params: Any
 
 def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[str, Any]],
           restore: Callable[[dict[str, Any]], None], evaluator: Callable[..., dict[str, float]],
-          mesh) -> None:
+          mesh, receive: Callable[[Any], Any] | None = None,
+          lora_base: dict[str, Any] | None = None) -> None:
   """The rollout process: answers the training process until it says stop (module docstring).
   ``restore`` sets the data's resume state; ``mesh`` is the rollout mesh (None on one
-  device)."""
+  device); ``receive`` makes the weights the samplers read from what was pulled (default: as
+  pulled); ``lora_base``: this process's frozen base (`checkpoints.lora_base.record`; None: no
+  LoRA), which must be the training process's."""
   source: exp_lib.OverlappedExperience | None = None
+  receive = receive or (lambda moved: moved)
 
   def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
     return link.pull(offer, mesh)[0]
@@ -147,21 +155,25 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
       if kind == "evaluate":
         _, step, offer = msg
         with source.exclusive() if source is not None else contextlib.nullcontext():
-          weights, _ = link.pull(offer, mesh)
           try:
-            metrics = evaluator(weights, step=step)
+            metrics = evaluator(receive(link.pull(offer, mesh)[0]), step=step)
           except Exception as e:  # pylint: disable=broad-except  (raised in the trainer)
             metrics = e
         link.send(("evaluated", step, metrics))
       elif kind == "start":
         cfg = msg[2]
+        from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
+        base_lib.check("the training process", cfg["lora_base"], lora_base,
+                       "start both processes with the same --config (model.checkpoint, seed "
+                       "and model.lora)")
         if cfg["resume"]:
           restore(cfg["resume"])
         first = link.wait("weights", cfg["start_step"])[2]
         source = exp_lib.OverlappedExperience(
             sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
             start_step=cfg["start_step"], num_steps=cfg["num_steps"],
-            save_every=cfg["save_every"], params=first, partial=cfg["partial"], owned=False)
+            save_every=cfg["save_every"], params=first, partial=cfg["partial"], owned=False,
+            receive=receive)
         threading.Thread(target=_send_batches, name="dapo-rollout-send", daemon=True,
                          args=(link, source, cfg["start_step"], cfg["num_steps"])).start()
       elif kind == "weights":

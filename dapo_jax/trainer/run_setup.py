@@ -220,8 +220,10 @@ class Run:
   train_records: Sequence[MathRecord]
   eval_records: Sequence[MathRecord]
   rollout: Any  # (weights, ids, mask, key, SamplingParams, n) -> the same host RolloutBatch
-  # The training side; None on a rollout process (``dapo-train --role=rollout``).
-  to_rollout: RolloutWeights | None  # trained params -> the rollout's copy, once per step
+  # Trained params -> the rollout's copy, once per step. A rollout process (``dapo-train
+  # --role=rollout``) uses its ``receive`` half alone (a LoRA run's: the frozen base held here).
+  to_rollout: RolloutWeights
+  # The training side; None on a rollout process.
   train_config: TrainConfig | None
   graphdef: nnx.GraphDef | None
   step_fn: TrainStep | None
@@ -288,9 +290,11 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   engine = engine_args(r, spec.data.max_prompt_length)
   rollout = make_rollout(r.engine, sampler_graphdef, rollout_mesh, tokenizer, **engine)
   lcfg = lora.LoRAConfig.from_config(spec.model.lora)
+  base_record = None
   if role == "rollout":
+    to_rollout, base_record = _rollout_side_weights(spec, model, rollout_mesh, lcfg)
     del model
-    to_rollout = tcfg = graphdef = state = ckpt = None
+    tcfg = graphdef = state = ckpt = None
   elif lcfg.rank:
     lora.add_adapters(model, lcfg, seed=spec.seed, mesh=mesh)
     to_rollout = MergedRolloutWeights(model.config.jnp_param_dtype, rollout_mesh, lcfg.scale)
@@ -339,9 +343,25 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
                                                               rest=state.rest),
             iterator=iterator, checkpointer=ckpt, scorer=scorer, generator=generator,
             sampler=sampler,
-            lora_base=lora_base(spec.model, spec.seed, state) if lcfg.rank and state else None,
+            lora_base=(lora_base(spec.model, spec.seed, state.rest) if lcfg.rank and state else
+                       base_record),
             rollout_mesh=rollout_mesh)
   return run, state
+
+
+def _rollout_side_weights(spec: RunSpec, model: Any, rollout_mesh: Mesh | None,
+                          lcfg: lora.LoRAConfig) -> tuple[RolloutWeights, dict | None]:
+  """A rollout process's `RolloutWeights` (its ``receive`` half) and, in a LoRA run, the
+  record of the frozen base it holds: ``model``'s weights (loaded or drawn as the training
+  process's are) cast and laid out for the rollout once, so only adapters cross per step."""
+  dtype = model.config.jnp_param_dtype
+  if not lcfg.rank:
+    return RolloutWeights(dtype, rollout_mesh), None
+  base = nnx.state(model)
+  record = lora_base(spec.model, spec.seed, base)
+  held = MergedRolloutWeights(dtype, rollout_mesh, lcfg.scale, base=base)
+  held.base = held.rollout_base()  # the rollout copy alone: ``model`` is dropped by the caller
+  return held, record
 
 
 def skip_filter(spec: RunSpec) -> SkipFilter | None:
@@ -355,11 +375,11 @@ def skip_filter(spec: RunSpec) -> SkipFilter | None:
                     process_count=jax.process_count())
 
 
-def lora_base(m: ModelSpec, seed: int, state: TrainState) -> dict[str, Any]:
+def lora_base(m: ModelSpec, seed: int, base: Any) -> dict[str, Any]:
   """Where a LoRA run's frozen base comes from (``m``: the run's model; ``seed``: a preset's
-  init) and the fingerprint of its weights."""
+  init) and the fingerprint of its weights ``base`` (a train state's ``rest``)."""
   from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
-  return base_lib.record(m, seed, state.rest)
+  return base_lib.record(m, seed, base)
 
 
 def check_lora_base(run: Run, meta: dict[str, Any]) -> None:

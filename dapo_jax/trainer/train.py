@@ -142,7 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if role == "train":  # the rollout runs in the process that connects to ``peer``
       link = teardown.enter_context(contextlib.closing(
           rollout_process.Link.listen(peer, str(workdir))))
-      evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout)
+      evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout.send)
     else:
       evaluate = lambda params, step: evaluator(run.to_rollout(params), step=step)  # noqa: E731
     state, start_step, resumed = _restore(run, state)
@@ -164,10 +164,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     staleness = spec.algorithm.max_staleness
     if link is not None:
       source = rollout_process.RemoteExperience(
-          link, run.to_rollout, max_staleness=staleness, start_step=start_step,
+          link, run.to_rollout.send, max_staleness=staleness, start_step=start_step,
           num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params,
           partial=spec.algorithm.partial_rollouts,
-          resume=_resume_state(run) if resumed else None)
+          resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
     else:
       source = exp_lib.open_source(
           staleness, functools.partial(_sample, spec, run), run.to_rollout,
@@ -264,7 +264,8 @@ def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
       run.sampler.load_state_dict(resume["sampler"])
 
     rollout_process.serve(link, sample, lambda: _resume_state(run), restore, evaluator,
-                          run.rollout_mesh)
+                          run.rollout_mesh, receive=run.to_rollout.receive,
+                          lora_base=run.lora_base)
   return {}
 
 
