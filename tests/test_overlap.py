@@ -123,6 +123,38 @@ def test_close_abandons_the_batch_in_flight_at_its_next_chunk():
   assert not src._thread.is_alive()  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize("k,save_every,version,after", [
+    (1, 100, 2, 3), (2, 100, 2, 4),
+    (1, 3, 2, 2),  # step 3 follows a checkpoint: it waits for version 3
+    (1, 100, 8, 7),  # the final evaluation: after the last batch
+])
+def test_the_last_batch_a_version_samples(k, save_every, version, after):
+  assert experience.last_batch_sampled_by(version, k, save_every, 0, 8) == after
+
+
+def test_tasks_run_on_the_rollout_thread_between_the_batches_they_name():
+  """An evaluation placed after the last batch its version samples (what a rollout group of
+  several processes agrees on without talking) runs after that batch and before the next;
+  one placed after the run's last batch runs once the thread has drawn every batch."""
+  src, calls = _source(1, end=6)
+  seen = []
+  try:
+    for step in range(6):
+      src.next(step, None)
+      src.updated(step + 1, jnp.asarray(step + 1))
+      if step + 1 in (1, 6):
+        after = experience.last_batch_sampled_by(step + 1, 1, 100, 0, 6)
+        src.run_after(after, lambda v=step + 1: seen.append((v, len(calls),
+                                                             threading.current_thread().name)))
+    for _ in range(200):
+      if len(seen) == 2:
+        break
+      threading.Event().wait(0.05)
+  finally:
+    src.close()
+  assert seen == [(1, 3, "dapo-rollout"), (6, 6, "dapo-rollout")]  # after batch 2, after all
+
+
 def test_a_rollout_error_reaches_the_trainer_at_its_step():
   src, _ = _source(1, end=4, fail_at=1)
   try:
@@ -246,23 +278,33 @@ def test_partial_rollouts_run_within_the_bound(tmp_path):
 _TWO_PROCESS = """
 import sys
 from tests.test_overlap import _overlap_config
+from dapo_jax.infra import distributed
 from dapo_jax.trainer.train import train_and_evaluate
 role, peer, workdir, steps, lora_rank = sys.argv[1:6]
+distributed.maybe_initialize()  # a side of several processes: its own jax.distributed job
 c = _overlap_config(int(steps), int(lora_rank))
 c.rollout_devices = 0
 train_and_evaluate(c, workdir, role=role, peer=peer)
 """
 
 
-def _two_process_launch(workdir, steps, lora_rank=0):
-  """``--role=train`` and ``--role=rollout`` processes of 4 CPU devices each (one launch)."""
+def _two_process_launch(workdir, steps, lora_rank=0, per_side=1):
+  """A ``--role=train`` and a ``--role=rollout`` side of ``per_side`` processes each, 4 CPU
+  devices a side (one launch). A side of several processes is a ``jax.distributed`` job of its
+  own; process i of one side pairs with process i of the other."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  peer = f"127.0.0.1:{processes.free_port()}"
-  procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS, role, peer, workdir,
-                             str(steps), str(lora_rank)], cwd=root,
-                            env=processes.process_env(root, 4, {}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for role in ("rollout", "train")]
+  peer = ",".join(f"127.0.0.1:{processes.free_port()}" for _ in range(per_side))
+  procs = []
+  for role in ("rollout", "train"):
+    coord = f"127.0.0.1:{processes.free_port()}"
+    for i in range(per_side):
+      dist = {} if per_side == 1 else {"JAX_COORDINATOR_ADDRESS": coord,
+                                       "JAX_NUM_PROCESSES": str(per_side),
+                                       "JAX_PROCESS_ID": str(i)}
+      procs.append(subprocess.Popen(
+          [sys.executable, "-c", _TWO_PROCESS, role, peer, workdir, str(steps), str(lora_rank)],
+          cwd=root, env=processes.process_env(root, 4 // per_side, dist),
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   processes.wait_all(procs, stall_s=600, what="process", watch=[workdir])
 
 
@@ -294,3 +336,32 @@ def test_a_lora_rollout_process_pulls_the_adapters_alone(tmp_path, whole_split_r
   adapter_bytes = sum(np.asarray(x).nbytes for x in _params(one, 2))  # the trained params
   assert all(a[s]["sync/weight_bytes"] == adapter_bytes for s in a)
   assert adapter_bytes < whole_split_run[0][1]["sync/weight_bytes"] / 4  # the merged model's
+
+
+def test_sides_of_two_processes_each_pair_process_by_process(tmp_path, whole_split_run):
+  """A training side and a rollout side of 2 processes each (2 devices a process, each side its
+  own jax.distributed job): process i pulls its shards of the weights from process i of the
+  other side, evaluations fall between the same two batches on both rollout processes, and the
+  run takes the one-process split's decisions. (One launch: a stop and relaunch of both sides
+  took the same decisions when tried, at twice the test's time; the one-process-a-side test
+  above covers the resume.)"""
+  a, _ = whole_split_run
+  workdir = str(tmp_path / "sides")
+  _two_process_launch(workdir, 4, per_side=2)
+  b = _metrics(workdir)
+  assert sorted(b) == [1, 2, 3, 4] and "eval/avg@4" in b[2] and "eval/avg@4" in b[4]
+  assert {f.name for f in tmp_path.joinpath("sides").glob("rollout_peer*")} == {
+      "rollout_peer.0.key", "rollout_peer.1.key"}
+  for s in a:
+    assert b[s].pop("sync/batch_bytes") > 0
+    assert set(a[s]) == set(b[s])
+    for k in a[s]:
+      if k.startswith(_DECISIONS):  # what was sampled, kept, rewarded, handed over: exactly
+        assert b[s][k] == a[s][k], (s, k)
+      elif k != "rollout/bit_equal":  # floats: gloo's all-reduce sums in another order
+        assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=1e-6), (s, k)
+
+
+# Host-side decisions of a step: the same on any process layout (test_multiprocess.py).
+_DECISIONS = ("sampling/", "train/", "response/", "reward/", "staleness/", "data/", "eval/",
+              "sync/")

@@ -33,10 +33,27 @@ def _spec(rollout_devices=0, max_staleness=1):
     ("rollout", "localhost", 0, 1, "give the training process's HOST:PORT"),
     ("train", "127.0.0.1:1234", 2, 1, "set config.rollout_devices=0"),
     ("rollout", "127.0.0.1:1234", 0, 0, "set algorithm.max_staleness >= 1"),
+    ("train", "127.0.0.1:1234,127.0.0.1:1235", 0, 1, "names 2 address\\(es\\) for 1 process"),
 ])
 def test_role_mistakes_are_one_line(role, peer, devices, k, message):
   with pytest.raises(rp.RoleError, match=message):
     rp.check_role(role, peer, _spec(devices, k))
+
+
+def test_partial_rollouts_on_sides_of_several_processes_are_refused(monkeypatch):
+  """Which chunk of a batch moves to newer weights depends on timing: the processes of a rollout
+  group would part ways."""
+  spec = _spec()
+  spec.algorithm.partial_rollouts = True
+  monkeypatch.setattr(rp.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(peer_link.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(peer_link.jax, "process_index", lambda: 1)
+  with pytest.raises(rp.RoleError, match="set algorithm.partial_rollouts=False"):
+    rp.check_role("rollout", "127.0.0.1:1234,127.0.0.1:1235", spec)
+  assert peer_link.process_peer("127.0.0.1:1234,127.0.0.1:1235") == "127.0.0.1:1235"
+  assert peer_link.key_file() == "rollout_peer.1.key"
+  spec.algorithm.partial_rollouts = False
+  rp.check_role("rollout", "127.0.0.1:1234,127.0.0.1:1235", spec)
 
 
 def test_roles_that_fit_pass():

@@ -14,6 +14,12 @@ channel for host objects and a transfer server for arrays.
   the training process writes to ``<workdir>/rollout_peer.key`` (mode 0600 on a local disk) at
   each launch. Whoever can read the run's workdir can connect, as whoever can write it can
   change its checkpoints.
+
+A side may be several processes (each side its own ``jax.distributed`` job, of the same process
+count): process i of one side is joined to process i of the other, one link each (``--peer``
+lists one HOST:PORT per training process; ``rollout_peer.<i>.key``). Both processes of a pair
+hold the same shards of every array (the same meshes over the same local device counts), so a
+pull moves only the shards of that pair.
 """
 
 from __future__ import annotations
@@ -47,12 +53,18 @@ class PeerAddressError(ValueError):
 KEY_FILE = "rollout_peer.key"  # in the workdir: this launch's channel key (module docstring)
 
 
+def key_file() -> str:
+  """This process's key file: `KEY_FILE`, or ``rollout_peer.<i>.key`` on process i of a side of
+  several."""
+  return KEY_FILE if jax.process_count() == 1 else f"rollout_peer.{jax.process_index()}.key"
+
+
 def _new_key(workdir: str) -> bytes:
   """The training process's key for this launch (written for the rollout process to read)."""
   if os.environ.get("DAPO_PEER_KEY"):
     return os.environ["DAPO_PEER_KEY"].encode()
   key = secrets.token_hex(32).encode()
-  path = run_files.resolve(workdir) / KEY_FILE
+  path = run_files.resolve(workdir) / key_file()
   if run_files.is_remote(path):
     run_files.write_bytes_atomic(path, key)
     return key
@@ -70,7 +82,7 @@ def _read_key(workdir: str) -> bytes | None:
   yet)."""
   if os.environ.get("DAPO_PEER_KEY"):
     return os.environ["DAPO_PEER_KEY"].encode()
-  path = run_files.resolve(workdir) / KEY_FILE
+  path = run_files.resolve(workdir) / key_file()
   try:
     return path.read_bytes()
   except (FileNotFoundError, OSError):
@@ -82,6 +94,21 @@ def parse_peer(peer: str) -> tuple[str, int]:
   if not sep or not host or not port.isdigit():
     raise PeerAddressError(f"--peer={peer!r}: give the training process's HOST:PORT")
   return host, int(port)
+
+
+def process_peer(peer: str) -> str:
+  """This process's item of ``--peer``: HOST:PORT, or one comma-separated HOST:PORT per
+  training process (in process order) on a side of several processes."""
+  items = peer.split(",")
+  n = jax.process_count()
+  if len(items) != n:
+    raise PeerAddressError(
+        f"--peer={peer!r} names {len(items)} address(es) for {n} process(es) a side: give one "
+        "HOST:PORT per training process, comma-separated in process order (process i of each "
+        "side pairs with process i of the other)")
+  for item in items:
+    parse_peer(item)
+  return items[jax.process_index()]
 
 
 def _local_address(peer_host: str) -> str:
@@ -101,7 +128,8 @@ class Link:
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
-                         "platform": jax.default_backend()}))
+                         "platform": jax.default_backend(),
+                         "process": [jax.process_index(), jax.process_count()]}))
     kind, hello = self.recv()
     if kind != "hello":
       raise PeerError(f"expected the other process's hello, got {kind!r}")
@@ -112,11 +140,18 @@ class Link:
           f"the training and rollout processes need the same device count and platform (the "
           f"weights keep their shard shapes): this one has {jax.local_device_count()} "
           f"{jax.default_backend()} devices, the other {hello['devices']} {hello['platform']}")
+    if hello["process"] != [jax.process_index(), jax.process_count()]:
+      raise PeerError(
+          f"process {jax.process_index()} of {jax.process_count()} reached process "
+          f"{hello['process'][0]} of {hello['process'][1]} of the other side: each side needs "
+          "the same process count, and --peer's addresses in process order")
     self._inbox: list[tuple] = []
 
   @classmethod
   def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
-    """The training process: waits for the rollout process to connect to ``peer``."""
+    """The training process: waits for the rollout process to connect to ``peer`` (this
+    process's item, `process_peer`)."""
+    peer = process_peer(peer)
     host, port = parse_peer(peer)
     listener = connection.Listener((host, port), authkey=_new_key(workdir))
     got: list[Any] = []
@@ -135,14 +170,15 @@ class Link:
   @classmethod
   def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
     """The rollout process: connects to the training process at ``peer`` (retried until it
-    listens)."""
+    listens; ``peer``: as `listen`'s)."""
+    peer = process_peer(peer)
     host, port = parse_peer(peer)
     deadline = time.monotonic() + timeout_s
     while True:  # until it listens with the key it wrote for this launch
       try:
         key = _read_key(workdir)
         if key is None:
-          raise FileNotFoundError(f"no {KEY_FILE} in {workdir} yet")
+          raise FileNotFoundError(f"no {key_file()} in {workdir} yet")
         conn = connection.Client((host, port), authkey=key)
         break
       except (OSError, multiprocessing.AuthenticationError) as e:

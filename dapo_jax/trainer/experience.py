@@ -103,11 +103,15 @@ class OverlappedExperience:
                receive: Callable[[Any], Any] | None = None):
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
-    if jax.process_count() > 1:
+    if partial and jax.process_count() > 1:
       raise NotImplementedError(
-          "algorithm.max_staleness >= 1 runs in one process for now: the rollout thread's "
-          "cross-process gathers would interleave with the trainer's (docs/overlap.md).")
+          "algorithm.partial_rollouts on several processes: which chunk takes a newer version "
+          "depends on timing, and every process must take it at the same chunk.")
     self.max_staleness, self.partial, self._owned = max_staleness, partial, owned
+    # Several processes roll out together (a rollout group, `rollout_process`): a close
+    # finishes the batches whose weights were handed over instead of abandoning one mid-way,
+    # so every process stops after the same batch.
+    self._drain = jax.process_count() > 1
     self._sample, self._to_rollout, self._resume_state = sample, to_rollout, resume_state
     self._receive = receive or (lambda moved: moved)
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
@@ -115,6 +119,9 @@ class OverlappedExperience:
     self._engine = threading.Lock()  # the rollout engine: the thread's batches, or evaluation
     self._weights: dict[int, tuple[Any, float]] = {}  # version -> (weights, seconds to hand off)
     self._results: dict[int, Experience | BaseException] = {}
+    self._tasks: list[tuple[int, Callable[[], None]]] = []  # (after batch, task): `run_after`
+    self._done = self._started = start_step - 1  # the last batch produced / started
+    self._task_s = 0.0  # seconds the thread spent on tasks (not idle)
     self._stop = False
     self.updated(start_step, params)
     self._thread = threading.Thread(target=self._produce, name="dapo-rollout", daemon=True)
@@ -160,6 +167,21 @@ class OverlappedExperience:
     with self._engine:
       yield
 
+  def run_after(self, batch: int | None, task: Callable[[], None]) -> None:
+    """Runs ``task`` on the rollout thread once it has produced step ``batch``'s batch, before
+    it starts the next one (or after its last); None: after the batch it is on (at once when
+    it waits). The place in the thread's work is then fixed by ``batch`` alone, so the
+    processes of a rollout group run it between the same two batches (their collectives stay
+    in the same order). ``batch`` must be a batch whose successor cannot start before the task
+    is registered: one whose next version is not yet handed over (`rollout_process`'s
+    evaluations)."""
+    with self._cond:
+      if batch is not None and batch < self._started:
+        raise RuntimeError(f"run_after({batch}): the rollout thread has started batch "
+                           f"{self._started}")
+      self._tasks.append((batch, task))
+      self._cond.notify_all()
+
   @property
   def closed(self) -> bool:
     return self._stop
@@ -173,21 +195,35 @@ class OverlappedExperience:
       self._cond.notify_all()
     self._thread.join()
 
-  def _wait_for(self, version: int) -> tuple[Any, float]:
-    with self._cond:
-      while version not in self._weights:
-        if self._stop:
-          raise _Stopped()
-        self._cond.wait()
-      return self._weights[version]
+  def _wait_for(self, version: int | None) -> tuple[Any, float]:
+    """Version ``version``'s hand-off, once every task due before it has run (None: only the
+    tasks, until the source is closed)."""
+    while True:
+      with self._cond:
+        due = [t for t in self._tasks if t[0] is None or t[0] <= self._done]
+        if not due:
+          if version in self._weights:
+            return self._weights[version]
+          if self._stop:
+            raise _Stopped()
+          self._cond.wait()
+          continue
+        self._tasks = [t for t in self._tasks if t not in due]
+      t0 = time.perf_counter()
+      for _, task in due:  # outside the lock: a task may take a while
+        task()
+      self._task_s += time.perf_counter() - t0
 
   def _produce(self) -> None:
     for step in range(self._start, self._end):
       try:
-        t0 = time.perf_counter()
+        t0, tasks_s = time.perf_counter(), self._task_s
         v = self.version(step)
         moved, handoff_s = self._wait_for(v)
         t1 = time.perf_counter()
+        idle = t1 - t0 - (self._task_s - tasks_s)
+        with self._cond:
+          self._started = step
         weights = jax.block_until_ready(self._receive(moved))  # the move, if still under way
         t2 = time.perf_counter()
         with self._engine:
@@ -197,7 +233,7 @@ class OverlappedExperience:
         t3 = time.perf_counter()
         out: Experience | BaseException = Experience(
             step, v, batch, resume,
-            {"rollout": t3 - t2, "rollout_idle": t1 - t0,
+            {"rollout": t3 - t2, "rollout_idle": idle,
              "weight_sync": handoff_s + (t2 - t1), "weight_bytes": float(_nbytes(moved))})
       except _Stopped:
         return
@@ -205,16 +241,18 @@ class OverlappedExperience:
         out = e
       with self._cond:
         self._results[step] = out
+        self._done = step
         keep = self.version(step + 1)
         for old in [u for u in self._weights if u < keep]:
           del self._weights[old]
         self._cond.notify_all()
       if isinstance(out, BaseException):
-        return
-
+        break
+    with contextlib.suppress(_Stopped):  # the tasks still to come (evaluations), until closed
+      self._wait_for(None)
 
   def _check_stop(self) -> None:
-    if self._stop:
+    if self._stop and not self._drain:
       raise _Stopped()
 
   def _newer(self, version: int) -> Callable[[], tuple[Any, int] | None]:
@@ -248,6 +286,16 @@ def version_needed(version: int, max_staleness: int, save_every: int, start: int
              for t in range(version, min(version + max_staleness + 1, end)))
 
 
+def last_batch_sampled_by(version: int, max_staleness: int, save_every: int, start: int,
+                          end: int) -> int:
+  """The last step (< ``end``) whose batch is sampled by ``version`` or an older one: the batch
+  after it waits for a newer version."""
+  t = min(version, end - 1)
+  while t + 1 < end and scheduled_version(t + 1, max_staleness, save_every, start) <= version:
+    t += 1
+  return t
+
+
 def unshared(weights: Any, params: Any) -> Any:
   """``weights`` with a copy of every array it shares with ``params`` (one device in the
   model's dtype: the rollout's weights are the trained arrays, which the update donates)."""
@@ -268,6 +316,12 @@ def open_source(max_staleness: int, sample: SampleFn, to_rollout: Callable[[Any]
   handed over and its ``receive`` half when the rollout takes them."""
   if not max_staleness:
     return SyncExperience(sample, to_rollout, resume_state)
+  if jax.process_count() > 1:
+    raise NotImplementedError(
+        "algorithm.max_staleness >= 1 with the rollout in the training processes runs in one "
+        "process: the rollout thread's cross-process gathers would interleave with the "
+        "trainer's. On several processes, give the rollout processes of their own "
+        "(dapo-train --role, docs/overlap.md).")
   return OverlappedExperience(sample, getattr(to_rollout, "send", to_rollout), resume_state,
                               max_staleness=max_staleness, start_step=start_step,
                               num_steps=num_steps, save_every=save_every, params=params,

@@ -32,13 +32,14 @@ samples what the one-process split samples, step for step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Any, Callable
 
 import jax
 
-from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, parse_peer
+from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, process_peer
 from dapo_jax.trainer import experience as exp_lib
 
 ROLES = ("both", "train", "rollout")
@@ -58,7 +59,7 @@ def check_role(role: str, peer: str, spec) -> None:
       raise RoleError("--peer is for --role=train or --role=rollout (two processes)")
     return
   try:
-    parse_peer(peer)
+    process_peer(peer)
   except PeerAddressError as e:
     raise RoleError(str(e)) from None
   if not spec.algorithm.max_staleness:
@@ -68,9 +69,10 @@ def check_role(role: str, peer: str, spec) -> None:
   if spec.rollout_devices:
     raise RoleError(f"--role={role} with config.rollout_devices={spec.rollout_devices}: the "
                      "rollout has a process of its own; set config.rollout_devices=0")
-  if jax.process_count() > 1:
-    raise RoleError(f"--role={role} runs one process a side for now (this job has "
-                     f"{jax.process_count()} processes under jax.distributed)")
+  if jax.process_count() > 1 and spec.algorithm.partial_rollouts:
+    raise RoleError(f"--role={role} on {jax.process_count()} processes a side with "
+                    "algorithm.partial_rollouts: every rollout process would have to move to a "
+                    "newer version at the same chunk; set algorithm.partial_rollouts=False")
 
 
 class RemoteExperience:
@@ -106,6 +108,17 @@ class RemoteExperience:
       return
     self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
 
+  def evaluate(self, params: Any, step: int) -> dict[str, float]:
+    """The rollout process's evaluation of ``params`` (version ``step``). On one process it
+    runs between the rollout's next two batches. A rollout group of several processes runs it
+    after the last batch sampled by version ``step`` or older, a place every process agrees on
+    without talking (the next batch needs weights not yet handed over)."""
+    after = None
+    if jax.process_count() > 1:
+      after = exp_lib.last_batch_sampled_by(step, self.max_staleness, self._save_every,
+                                            self._start, self._end)
+    return evaluate(self.link, self._to_rollout, params, step, after)
+
   @contextlib.contextmanager
   def exclusive(self):
     yield  # the rollout process evaluates between its batches (`evaluate`)
@@ -115,10 +128,13 @@ class RemoteExperience:
       self.link.send(("stop", None))
 
 
-def evaluate(link: Link, to_rollout: Callable[[Any], Any], params: Any, step: int
-             ) -> dict[str, float]:
-  """The rollout process's evaluation of ``params`` (the training process's side)."""
-  link.send(("evaluate", step, _offer(link, to_rollout, _EVAL_KEY + step, params)))
+def evaluate(link: Link, to_rollout: Callable[[Any], Any], params: Any, step: int,
+             after: int | None = None) -> dict[str, float]:
+  """The rollout process's evaluation of ``params`` (the training process's side): before the
+  rollout starts, or once it runs, on its thread after its batch ``after`` (None: the next
+  batch it finishes; `RemoteExperience.evaluate`)."""
+  link.send(("evaluate", step, {"offer": _offer(link, to_rollout, _EVAL_KEY + step, params),
+                                "after": after}))
   _, _, metrics = link.wait("evaluated", step)
   if isinstance(metrics, BaseException):
     raise metrics
@@ -153,13 +169,12 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
       if kind == "stop":
         return
       if kind == "evaluate":
-        _, step, offer = msg
-        with source.exclusive() if source is not None else contextlib.nullcontext():
-          try:
-            metrics = evaluator(receive(link.pull(offer, mesh)[0]), step=step)
-          except Exception as e:  # pylint: disable=broad-except  (raised in the trainer)
-            metrics = e
-        link.send(("evaluated", step, metrics))
+        _, step, req = msg
+        task = functools.partial(_evaluate, link, evaluator, receive, mesh, step, req["offer"])
+        if source is None:
+          task()  # before the rollout thread starts: nothing else runs
+        else:
+          source.run_after(req["after"], task)
       elif kind == "start":
         cfg = msg[2]
         from dapo_jax.checkpoints import lora_base as base_lib  # pylint: disable=g-import-not-at-top
@@ -187,6 +202,18 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   finally:
     if source is not None:
       source.close()
+
+
+def _evaluate(link: Link, evaluator: Callable[..., dict[str, float]],
+              receive: Callable[[Any], Any], mesh, step: int, offer: dict[str, Any]) -> None:
+  """Pulls the offered weights, evaluates them and answers (an error is raised in the
+  trainer)."""
+  try:
+    metrics = evaluator(receive(link.pull(offer, mesh)[0]), step=step)
+  except Exception as e:  # pylint: disable=broad-except  (raised in the trainer)
+    metrics = e
+  with contextlib.suppress(PeerError):  # the trainer has gone: it stops this process too
+    link.send(("evaluated", step, metrics))
 
 
 def _send_batches(link: Link, source, start: int, end: int) -> None:

@@ -269,8 +269,8 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   state (None), train step or checkpointer."""
   if role == "both":
     train_devices, rollout_devices = distributed.split_devices(spec.rollout_devices)
-  else:  # both meshes over this process's devices, laid out as the one-process split lays them
-    train_devices = rollout_devices = jax.local_devices()
+  else:  # both meshes over this side's devices, laid out as the one-process split lays them
+    train_devices = rollout_devices = jax.devices()
   mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
   tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)

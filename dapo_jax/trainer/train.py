@@ -168,6 +168,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params,
           partial=spec.algorithm.partial_rollouts,
           resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
+      evaluate = source.evaluate  # placed among the rollout's batches from now on
     else:
       source = exp_lib.open_source(
           staleness, functools.partial(_sample, spec, run), run.to_rollout,
