@@ -2,11 +2,14 @@
 # DAPO on several GPU hosts without a scheduler: run this on every host with its own --rank.
 #   bash launch/multinode_gpu.sh --coordinator 10.0.0.1:1234 --nodes 16 --rank 0 \
 #       --config configs/dapo_qwen2_5_32b.py --workdir /shared/runs/dapo_32b [--dry-run] [-- --config.x=y]
+# Rollout on hosts of its own (docs/overlap.md): each side is a job of its own, run as above with
+# its own --coordinator, --nodes and --rank, plus --role train|rollout and the same --peer.
 set -euo pipefail
 usage() {
   cat <<'EOF_USAGE'
 Usage: bash launch/multinode_gpu.sh --coordinator HOST:PORT --nodes N --rank R
                                     --config FILE[:VARIANT] --workdir DIR [--dry-run]
+                                    [--role train|rollout --peer HOST:PORT,...]
                                     [-- --config.x=y ...]
 
 Starts dapo-train on this host as process R of N; run it on every host, each with its own
@@ -24,15 +27,23 @@ Starts dapo-train on this host as process R of N; run it on every host, each wit
                            line and exit 2 (a dry run checks it only with --gpu)
   --gpus-per-node G        GPUs on each host (default 8)
   --skip-plan              do not compile the plan first
+  --role train|rollout     this side of a run whose rollout has hosts of its own: run the script
+                           on every host of each side, each side with its own --coordinator,
+                           --nodes (the same on both) and --rank; the config needs
+                           algorithm.max_staleness >= 1 and rollout_devices = 0. The compiled
+                           plan check is skipped (dapo-plan prices the split: docs/planning.md)
+  --peer HOST:PORT,...     with --role: where each training host listens, one per training
+                           rank in rank order (the same list on every host of both sides)
   -h, --help               this text
 Config overrides go last, after --, as dapo-train takes them:
   ... --workdir /shared/runs/x -- --config.optim.lr=1e-6
 EOF_USAGE
 }
 coordinator="" nodes="" rank="" config="" workdir="" dry=0 extra=() gpu="" gpus=8 plan=1
+role="" peer=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --coordinator|--nodes|--rank|--config|--workdir|--gpu|--gpus-per-node)
+    --coordinator|--nodes|--rank|--config|--workdir|--gpu|--gpus-per-node|--role|--peer)
       [ $# -ge 2 ] || { echo "multinode_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -50,6 +61,8 @@ while [ $# -gt 0 ]; do
     --gpu) gpu="$2"; shift 2 ;;
     --gpus-per-node) gpus="$2"; shift 2 ;;
     --skip-plan) plan=0; shift ;;
+    --role) role="$2"; shift 2 ;;
+    --peer) peer="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "multinode_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -58,6 +71,18 @@ done
 for v in coordinator nodes rank config workdir; do
   [ -n "${!v}" ] || { echo "multinode_gpu.sh: --$v is required (see --help)" >&2; exit 2; }
 done
+case "$role" in
+  "") [ -z "$peer" ] || { echo "multinode_gpu.sh: --peer goes with --role train|rollout" >&2
+                          exit 2; } ;;
+  train|rollout)
+    [ -n "$peer" ] || { echo "multinode_gpu.sh: --role $role needs --peer HOST:PORT,... (one" \
+                             "per training rank)" >&2; exit 2; }
+    n_peers=$(awk -F, '{print NF}' <<< "$peer")
+    [ "$n_peers" = "$nodes" ] || { echo "multinode_gpu.sh: --peer names $n_peers address(es)" \
+                                        "for --nodes $nodes: one per training rank" >&2; exit 2; }
+    plan=0 ;;
+  *) echo "multinode_gpu.sh: --role $role: choose train or rollout" >&2; exit 2 ;;
+esac
 [ -f "${config%%:*}" ] || { echo "multinode_gpu.sh: --config ${config%%:*}: no such file" \
                                  "(relative paths start at $PWD)" >&2; exit 2; }
 # The flags dapo-plan's GPU rows assume (dapo_jax/planner/gpu_targets.py; NCCL: its defaults).
@@ -80,8 +105,10 @@ fi
 # dapo_jax.infra.distributed reads these three variables and calls jax.distributed.initialize.
 env_vars=(JAX_COORDINATOR_ADDRESS="$coordinator" JAX_NUM_PROCESSES="$nodes"
           JAX_PROCESS_ID="$rank")
+role_args=()
+[ -z "$role" ] || role_args=(--role="$role" --peer="$peer")
 cmd=(env "${env_vars[@]}" dapo-train --config "$config" --workdir "$workdir"
-     ${extra[@]+"${extra[@]}"})
+     ${role_args[@]+"${role_args[@]}"} ${extra[@]+"${extra[@]}"})
 if [ "$dry" = 1 ]; then
   # A real run checks the same itself on start; the dry run checks before any host starts.
   root="$(cd "$(dirname "$0")/.." && pwd -P)"

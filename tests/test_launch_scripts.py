@@ -5,6 +5,7 @@ print their dry runs.
 The preflight imports JAX (about 3 s of CPU): the tests that reach it are few."""
 
 import os
+import shlex
 import re
 import shutil
 import subprocess
@@ -156,7 +157,27 @@ def test_slurm_and_multinode_dry_runs():
   assert out.stdout.endswith("--config.seed=1 --config.num_steps=3\n")
 
 
+def test_multinode_starts_one_side_of_a_split_run():
+  """--role/--peer reach dapo-train on each host of a side (docs/overlap.md); no plan check."""
+  out = _sh(["bash", "launch/multinode_gpu.sh", "--coordinator=10.0.0.9:1234", "--nodes", "2",
+             "--rank", "1", "--config", "configs/tiny_cpu.py:overlap", "--workdir", "/runs/x",
+             "--role", "rollout", "--peer", "t0:29400,t1:29400", "--gpu", "h100", "--dry-run",
+             "--", "--config.rollout_devices=0"])
+  assert out.returncode == 0, out.stderr
+  assert "JAX_PROCESS_ID=1" in out.stdout and "--plan-target" not in out.stderr
+  assert shlex.split(out.stdout[2:])[-3:] == ["--role=rollout", "--peer=t0:29400,t1:29400",
+                                              "--config.rollout_devices=0"]
+
+
+_SIDE = ["launch/multinode_gpu.sh", "--coordinator", "h:1", "--nodes", "2", "--rank", "0",
+         "--config", "c.py", "--workdir", "/w"]
+
+
 @pytest.mark.parametrize("args, message", [
+    (_SIDE + ["--role", "both", "--peer", "a:1,b:1"], "--role both: choose train or rollout"),
+    (_SIDE + ["--role", "train"], "--role train needs --peer HOST:PORT,..."),
+    (_SIDE + ["--role", "train", "--peer", "a:1"], "--peer names 1 address(es) for --nodes 2"),
+    (_SIDE + ["--peer", "a:1"], "--peer goes with --role train|rollout"),
     (["launch/multinode_gpu.sh", "--nodes", "2"], "multinode_gpu.sh: --coordinator is required"),
     (["launch/multinode_gpu.sh", "--coordinator", "h:1", "--config.seed=1"],
      "config overrides go after --: bash launch/multinode_gpu.sh ... -- --config.seed=1"),
