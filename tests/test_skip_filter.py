@@ -66,6 +66,22 @@ def _sampler(**kw):
   return DynamicSampler(train_batch_size=4, prefilter=sf.SkipFilter(seed=0, group_size=G, **kw))
 
 
+def test_skipped_prompts_neither_thin_the_rollout_batch_nor_count_against_the_cap():
+  """Once the filter skips, a generation batch holds a full batch's worth of admitted prompts
+  (drawn from several of the iterator's batches), and max_num_gen_batches counts those."""
+  sampler = DynamicSampler(train_batch_size=4, max_num_gen_batches=3,
+                           prefilter=sf.SkipFilter(seed=0, group_size=G, floor=0.05))
+  f, batches, sizes = sampler.prefilter, _epochs(0), []
+  f.explore = {"right": 0.05, "wrong": 0.05}  # skip nearly every prompt with a streak
+  for step in range(12):
+    f.begin(step)
+    _, stats = sampler.sample(batches, generate_fn=lambda ps, st=step: (
+        sizes.append(len(ps)), [_group(p, st) for p in ps])[1])
+    assert stats.num_gen_batches <= 3
+  assert f.counts.skipped_right + f.counts.skipped_wrong > 0
+  assert min(sizes) >= 8  # never fewer than a generation batch of prompts decoded at once
+
+
 def test_streak_and_retry_probability():
   assert sf.streak([(4, 0), (0, 1), (0, 2)], 4) == ("wrong", 2)
   assert sf.streak([(0, 0), (4, 1)], 4) == ("right", 1)
@@ -96,7 +112,9 @@ def test_adaptive_probability_moves_toward_the_target_and_keeps_the_floor():
     retried += f.counts.retried
     skipped = f.counts.skipped_right + f.counts.skipped_wrong
     assert stats.prompts_admitted <= f.counts.prompts_seen - skipped
-    assert stats.num_gen_batches * 8 == f.counts.prompts_seen
+    # A generation batch is 8 admitted prompts, drawn from as many batches of 8 as it takes.
+    assert f.counts.prompts_seen % 8 == 0
+    assert 8 * stats.num_gen_batches <= f.counts.prompts_seen - skipped
   assert all(e[k] >= 0.1 for e in explore for k in sf.KINDS)
   assert explore[-1]["right"] == pytest.approx(0.1)  # 50% all-right >> 10%: down to the floor
   assert explore[-1]["wrong"] < 1.0

@@ -100,7 +100,8 @@ def test_skips_on_every_engine_and_loop(tmp_path, monkeypatch, over):
   assert _skips(rows) > 0
   for r in rows.values():  # every drawn prompt is skipped, admitted, or (streaming) never needed
     rolled = r["skip/prompts_drawn"] - r["skip/skipped_right"] - r["skip/skipped_wrong"]
-    assert r["skip/prompts_drawn"] == 4 * r["sampling/num_gen_batches"]
+    # A generation batch: 4 prompts not skipped, from as many batches of 4 as it takes.
+    assert r["skip/prompts_drawn"] % 4 == 0 and rolled >= 4 * r["sampling/num_gen_batches"]
     if over.get("algorithm.sampling_loop") == "batch":
       assert r["sampling/prompts_admitted"] == rolled
     else:

@@ -415,7 +415,9 @@ class DynamicSampler:
 
   def _draw(self, gen_batch_iter: Iterator[list], stats: SamplingStats,
             buffer: list[Group]) -> list:
-    """The next generation batch, or the error that ends sampling short of a full batch."""
+    """The next generation batch, or the error that ends sampling short of a full batch. With a
+    prefilter: the prompts it admits from as many of the iterator's batches as it takes to reach
+    a batch's worth (or the iterator's end)."""
     if 0 < self.max_num_gen_batches <= stats.num_gen_batches:
       raise MaxGenBatchesExceededError(
           f"Dynamic sampling gathered only {len(buffer)}/"
@@ -428,19 +430,29 @@ class DynamicSampler:
           f"unlimited) or the generation batch size, or check the data "
           f"and reward. The gathered groups are in err.groups.",
           buffer, stats)
-    try:
-      prompts = list(next(gen_batch_iter))
-    except StopIteration:
-      raise DatasetExhaustedError(
-          f"The prompt iterator ran out after {stats.num_gen_batches} "
-          f"generation batch(es) with {len(buffer)}/"
-          f"{self.train_batch_size} groups gathered. Start a new epoch and "
-          f"pass err.groups as initial_groups to continue.",
-          buffer, stats) from None
+    prompts: list = []
+    while True:  # with a prefilter: the iterator's batches until a batch's worth is admitted
+      try:
+        drawn = list(next(gen_batch_iter))
+      except StopIteration:
+        if prompts:
+          break  # the last, short batch; the next draw raises
+        raise DatasetExhaustedError(
+            f"The prompt iterator ran out after {stats.num_gen_batches} "
+            f"generation batch(es) with {len(buffer)}/"
+            f"{self.train_batch_size} groups gathered. Start a new epoch and "
+            f"pass err.groups as initial_groups to continue.",
+            buffer, stats) from None
+      stats.gen_batch_size = stats.gen_batch_size or len(drawn)
+      if self.prefilter is None:
+        prompts = drawn
+        break
+      # Skipped prompts cost no decoding, so they do not count against max_num_gen_batches
+      # and do not thin the rollout's batch (prefilter.admit's floor keeps this finite).
+      prompts += self.prefilter.admit(drawn)
+      if len(prompts) >= stats.gen_batch_size:
+        break
     stats.num_gen_batches += 1
-    stats.gen_batch_size = stats.gen_batch_size or len(prompts)
-    if self.prefilter is not None:
-      prompts = self.prefilter.admit(prompts)
     return prompts
 
   def _take(self, g: Group, stats: SamplingStats, buffer: list[Group]) -> None:
