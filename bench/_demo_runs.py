@@ -27,11 +27,13 @@ def rows(workdir: str) -> list[dict]:
 
 
 def run(name: str, config: str, seed: int, args, flags: list[str],
-        env: dict[str, str] | None = None, peer: str = "") -> str:
+        env: dict[str, str] | None = None, peer: str = "",
+        cpus: tuple[set[int], set[int]] | None = None) -> str:
   """Runs one demo into ``args.workdir/name`` (its log beside it as ``name.log``) from seed's
   warm start, or only returns the workdir where a finished run already is. ``peer``: the run
   is two processes, ``--role=train`` (logged as above) and ``--role=rollout`` started first
-  (``name.rollout.log``), joined at ``peer`` (docs/overlap.md, "Two processes")."""
+  (``name.rollout.log``), joined at ``peer`` (docs/overlap.md, "Two processes"). ``cpus``:
+  the cores the (training, rollout) process may run on (one process: the first set)."""
   workdir = os.path.join(args.workdir, name)
   done = rows(workdir)
   if done and done[-1].get("step") == args.num_steps:
@@ -43,18 +45,20 @@ def run(name: str, config: str, seed: int, args, flags: list[str],
          "--config.logging.console=lines", *STUDY_FLAGS, *flags, *args.extra]
   print(" ".join(cmd), flush=True)
   full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  pin = lambda i: (lambda: os.sched_setaffinity(0, cpus[i])) if cpus else None
   if not peer:
     with open(log_path(name, args), "w") as log:
       subprocess.run(cmd, cwd=ROOT, env=full_env, check=True, stdout=log,
-                     stderr=subprocess.STDOUT)
+                     stderr=subprocess.STDOUT, preexec_fn=pin(0))
     return workdir
   with open(log_path(name, args).replace(".log", ".rollout.log"), "w") as rlog, \
       open(log_path(name, args), "w") as log:
     rollout = subprocess.Popen(cmd + ["--role=rollout", f"--peer={peer}"], cwd=ROOT,
-                               env=full_env, stdout=rlog, stderr=subprocess.STDOUT)
+                               env=full_env, stdout=rlog, stderr=subprocess.STDOUT,
+                               preexec_fn=pin(1))
     try:
       subprocess.run(cmd + ["--role=train", f"--peer={peer}"], cwd=ROOT, env=full_env,
-                     check=True, stdout=log, stderr=subprocess.STDOUT)
+                     check=True, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin(0))
     finally:
       if rollout.wait(timeout=600) != 0:
         raise subprocess.CalledProcessError(rollout.returncode, rollout.args)

@@ -19,6 +19,10 @@ Layouts (each a dapo-train run of the demo; --config.x=y after `--` go to every 
   async1_procs  async1 in two processes of one device each (dapo-train --role=train and
                 --role=rollout): weights pulled device to device, batches sent host to host;
                 its metrics are compared with async1's, step by step
+  sync_1core    sync on one core of the host (the other idle): what one phase gets alone
+  async1_procs_pinned  async1_procs with each process on a core of its own (training on core
+                0, rollout on core 1), so the two phases stop contending for both cores
+  async2_partial_procs_pinned  async2_partial the same way, two processes on a core each
 
 Wall time per step is read from the step log lines' timestamps, from the second step to the
 last (the first step compiles), so it includes evaluation and checkpoints as a user sees them.
@@ -51,8 +55,16 @@ LAYOUTS = {  # name -> (simulated CPU devices, dapo-train flags)
     "async4_uncorrected": (2, SPLIT + ["--config.algorithm.max_staleness=4",
                                        "--config.algorithm.allow_uncorrected_staleness=True"]),
     "async1_procs": (1, CORRECTED + ["--config.algorithm.max_staleness=1"]),
+    "sync_1core": (1, []),
+    "async1_procs_pinned": (1, CORRECTED + ["--config.algorithm.max_staleness=1"]),
+    "async2_partial_procs_pinned": (1, CORRECTED + ["--config.algorithm.max_staleness=2",
+                                                    "--config.algorithm.partial_rollouts=True"]),
 }
-PROCESSES = {"async1_procs": "async1"}  # two-process layout -> the one-process layout it equals
+# two-process layout -> the one-process layout it equals (None: timing-dependent, no equal)
+PROCESSES = {"async1_procs": "async1", "async1_procs_pinned": "async1",
+             "async2_partial_procs_pinned": None}
+PINNED = {"sync_1core": ({0}, set()), "async1_procs_pinned": ({0}, {1}),
+          "async2_partial_procs_pinned": ({0}, {1})}  # layout -> (training, rollout) cores
 _TIMING = ("time/", "perf/", "sync/batch_bytes")
 _STEP_LINE = re.compile(r"^(\S+ \S+) \S+: step (\d+)/(\d+)")
 
@@ -78,7 +90,7 @@ def _run(layout: str, seed: int, args) -> str:
   peer = f"127.0.0.1:{29400 + seed}" if layout in PROCESSES else ""
   return _demo_runs.run(_name(layout, seed, args), "configs/tiny_cpu.py", seed, args, flags,
                   env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
-                  peer=peer)
+                  peer=peer, cpus=PINNED.get(layout))
 
 
 def _differences(a_dir: str, b_dir: str) -> int:

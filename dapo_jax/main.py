@@ -34,7 +34,10 @@ def _define(fv: flags.FlagValues) -> None:
                     "process, started with the other role, the same --config and --workdir and "
                     "the same --peer, does the other (docs/overlap.md).", flag_values=fv)
   flags.DEFINE_string("peer", "", "With --role: HOST:PORT where the training process listens "
-                      "for its rollout process.", flag_values=fv)
+                      "for its rollout process (one per training process, comma-separated, on "
+                      "sides of several processes), or auto: the training processes listen on "
+                      "free ports and write them to the workdir, where the rollout processes "
+                      "read them.", flag_values=fv)
   cli.define_verbose(fv)
 
 

@@ -9,7 +9,7 @@ usage() {
   cat <<'EOF_USAGE'
 Usage: bash launch/multinode_gpu.sh --coordinator HOST:PORT --nodes N --rank R
                                     --config FILE[:VARIANT] --workdir DIR [--dry-run]
-                                    [--role train|rollout --peer HOST:PORT,...]
+                                    [--role train|rollout --peer HOST:PORT,...|auto]
                                     [-- --config.x=y ...]
 
 Starts dapo-train on this host as process R of N; run it on every host, each with its own
@@ -33,7 +33,9 @@ Starts dapo-train on this host as process R of N; run it on every host, each wit
                            algorithm.max_staleness >= 1 and rollout_devices = 0. The compiled
                            plan check is skipped (dapo-plan prices the split: docs/planning.md)
   --peer HOST:PORT,...     with --role: where each training host listens, one per training
-                           rank in rank order (the same list on every host of both sides)
+                           rank in rank order (the same list on every host of both sides);
+                           auto: each training host picks a free port and writes its address
+                           to the workdir, where its rollout host reads it
   -h, --help               this text
 Config overrides go last, after --, as dapo-train takes them:
   ... --workdir /shared/runs/x -- --config.optim.lr=1e-6
@@ -78,8 +80,9 @@ case "$role" in
     [ -n "$peer" ] || { echo "multinode_gpu.sh: --role $role needs --peer HOST:PORT,... (one" \
                              "per training rank)" >&2; exit 2; }
     n_peers=$(awk -F, '{print NF}' <<< "$peer")
-    [ "$n_peers" = "$nodes" ] || { echo "multinode_gpu.sh: --peer names $n_peers address(es)" \
-                                        "for --nodes $nodes: one per training rank" >&2; exit 2; }
+    [ "$peer" = auto ] || [ "$n_peers" = "$nodes" ] || {
+      echo "multinode_gpu.sh: --peer names $n_peers address(es) for --nodes $nodes: one per" \
+           "training rank (or auto)" >&2; exit 2; }
     plan=0 ;;
   *) echo "multinode_gpu.sh: --role $role: choose train or rollout" >&2; exit 2 ;;
 esac

@@ -10,7 +10,8 @@
   --worker=all --command CMD`` as one local process per worker (own HOME, own metadata server,
   CPU devices), ``tpu-vm scp`` as a copy, ``create``/``delete``/``describe`` on a state file.
 * ``write_fake_srun``: an ``srun`` that starts its tasks as local processes with the SLURM_*
-  variables JAX's ``SlurmCluster`` reads.
+  variables JAX's ``SlurmCluster`` reads, and an ``scontrol show hostnames`` that lists a
+  comma-separated node list (no bracket ranges) one name a line.
 """
 
 from __future__ import annotations
@@ -315,10 +316,26 @@ sys.exit(max(p.wait() for p in procs))
 '''
 
 
+_SCONTROL = '''\
+#!{python}
+"""Fake scontrol (tests/cluster_fakes.py): ``show hostnames [LIST]``, comma lists only."""
+import os, sys
+args = sys.argv[1:]
+if args[:2] != ["show", "hostnames"]:
+  sys.exit(f"fake scontrol: only 'show hostnames' is simulated, not {{args}}")
+names = args[2] if len(args) > 2 else os.environ["SLURM_JOB_NODELIST"]
+if "[" in names:
+  sys.exit("fake scontrol: bracket ranges are not simulated")
+print("\\n".join(names.split(",")))
+'''
+
+
 def write_fake_srun(bin_dir: str) -> str:
-  """An ``srun`` in ``bin_dir``; the caller sets SLURM_JOB_ID, SLURM_NNODES, SLURM_GPUS_ON_NODE,
-  FAKE_SRUN_LOCAL_DEVICES and FAKE_SRUN_CALLS (a file the calls are appended to)."""
+  """An ``srun`` and an ``scontrol`` in ``bin_dir``; the caller sets SLURM_JOB_ID, SLURM_NNODES,
+  SLURM_GPUS_ON_NODE, FAKE_SRUN_LOCAL_DEVICES and FAKE_SRUN_CALLS (a file the calls are
+  appended to), and SLURM_JOB_NODELIST where the script asks scontrol for it."""
   os.makedirs(bin_dir, exist_ok=True)
+  _write_exe(os.path.join(bin_dir, "scontrol"), _SCONTROL.format(python=sys.executable))
   return _write_exe(os.path.join(bin_dir, "srun"), _SRUN.format(
       python=sys.executable, tests_dir=os.path.dirname(os.path.abspath(__file__))))
 

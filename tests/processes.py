@@ -51,6 +51,15 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+  """A port P such that P and P + 1 are both free now (`free_port`'s range)."""
+  for _ in range(100):
+    port = free_port()
+    if _bindable(port + 1):
+      return port
+  raise RuntimeError("no two consecutive free ports found")
+
+
 def process_env(root: str, local_devices: int, env_extra: dict[str, str]) -> dict[str, str]:
   """A child's environment: CPU JAX with ``local_devices`` devices, this checkout first on the
   path, and the jax.distributed variables only where ``env_extra`` sets them."""

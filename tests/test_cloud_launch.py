@@ -27,7 +27,7 @@ from etils import epath
 
 from tests import cluster_fakes as fakes
 from tests.gcs_emulator import GcsEmulator
-from tests.processes import wait_all
+from tests.processes import free_port_pair, wait_all
 from tests.tiny_run_flags import TINY_RUN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,15 +320,23 @@ def test_worker_env_refuses_a_python_older_than_3_11(tmp_path):
 # --- GPU clusters -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_slurm_script_trains_on_two_tasks(tmp_path):
+def _slurm_env(tmp_path, *, nodes: int, gpus: int, **extra: str) -> dict[str, str]:
+  """A batch job's environment with the stand-in srun/scontrol first on PATH: ``nodes`` nodes
+  named localhost, each task ``gpus`` CPU devices."""
   bin_dir = str(tmp_path / "bin")
   fakes.write_fake_srun(bin_dir)
-  workdir = _workdir(tmp_path)
   env = _base_env()
   env.update(PATH=os.pathsep.join([bin_dir, env["PATH"]]), SLURM_JOB_ID="4242",
-             SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4", FAKE_SRUN_LOCAL_DEVICES="4",
-             FAKE_SRUN_CALLS=str(tmp_path / "srun_calls"))
+             SLURM_NNODES=str(nodes), SLURM_GPUS_ON_NODE=str(gpus),
+             FAKE_SRUN_LOCAL_DEVICES=str(gpus), SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
+             FAKE_SRUN_CALLS=str(tmp_path / "srun_calls"), **extra)
+  return env
+
+
+@pytest.mark.slow
+def test_slurm_script_trains_on_two_tasks(tmp_path):
+  workdir = _workdir(tmp_path)
+  env = _slurm_env(tmp_path, nodes=2, gpus=4)
   out = _run(["bash", "launch/slurm_gpu.sbatch", "configs/tiny_cpu.py", workdir,
               *GPU_RUN_FLAGS], env)
   assert out.returncode == 0, (out.stdout[-4000:], out.stderr[-4000:])
@@ -336,6 +344,33 @@ def test_slurm_script_trains_on_two_tasks(tmp_path):
     assert f"jax.distributed (SlurmCluster): process {i} of 2" in out.stdout, out.stdout[-3000:]
   assert _steps_done(workdir) == list(range(1, GPU_STEPS + 1))
   assert GPU_STEPS in _checkpoints(workdir)
+
+
+@pytest.mark.slow
+def test_slurm_script_puts_the_rollout_on_nodes_of_its_own(tmp_path):
+  """SIDES=1 on 4 nodes: the first two train, the last two roll out, each pair joined through
+  the workdir (--peer=auto), with partial rollouts: the rollout processes agree on the version
+  at every poll (a collective; a disagreement would stop the run, `train._sample`'s check).
+  Whether a batch here outlasts an update, so that a newer version arrives mid-batch, depends on
+  timing: the move itself is tested in tests/test_overlap.py."""
+  workdir = _workdir(tmp_path)
+  env = _slurm_env(tmp_path, nodes=4, gpus=1, SIDES="1", SIDES_PORT=str(free_port_pair()))
+  steps = 4
+  out = _run(["bash", "launch/slurm_gpu.sbatch", "configs/tiny_cpu.py:overlap", workdir,
+              *RUN_FLAGS, f"--config.num_steps={steps}", "--config.checkpoint.save_every=4",
+              "--config.rollout_devices=0", "--config.algorithm.max_staleness=2",
+              "--config.algorithm.partial_rollouts=True"], env)
+  assert out.returncode == 0, (out.stdout[-4000:], out.stderr[-4000:])
+  for i in range(2):  # on each side
+    assert out.stdout.count(f"process {i} of 2") == 2, out.stdout[-3000:]
+  assert _steps_done(workdir) == list(range(1, steps + 1))
+  rows = [json.loads(line) for line in (epath.Path(workdir) / "metrics.jsonl").read_text()
+          .splitlines()]
+  assert all(r["sync/batch_bytes"] > 0 and r["staleness/max"] <= 2 for r in rows)
+  assert rows[-1]["staleness/max"] > 0  # overlapped
+  for i in range(2):
+    host, _, port = (epath.Path(workdir) / f"rollout_peer.{i}.addr").read_text().rpartition(":")
+    assert host and port.isdigit()
 
 
 @pytest.mark.slow

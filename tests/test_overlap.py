@@ -25,11 +25,13 @@ from tests.test_train_e2e import _params, _small_config
 _TIMING = ("time/", "perf/")
 
 
-def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, endless_at=None):
+def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, endless_at=None,
+            agree=None, poll_after=0.0):
   """An overlapped source over a fake rollout: weights are their version number, a batch
   records the weights it was sampled with (and, partial, any newer ones it moved on to). The
   batch of ``endless_at`` polls forever (10 ms a chunk), as a rollout far longer than a
-  preemption's notice."""
+  preemption's notice. ``poll_after``: seconds a batch decodes before it asks for newer
+  weights."""
   calls = []
 
   def sample(weights, step, version, newest, check):
@@ -42,6 +44,7 @@ def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, e
       raise RuntimeError(f"rollout failed at {step}")
     calls.append((step, version, int(weights)))
     if newest is not None:
+      threading.Event().wait(poll_after)
       newer = newest()
       calls[-1] += (None if newer is None else (int(newer[0]), newer[1]),)
     return int(weights)
@@ -49,7 +52,7 @@ def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, e
   src = experience.OverlappedExperience(
       sample, lambda params: jnp.asarray(params), lambda: {"at": len(calls)},
       max_staleness=k, start_step=start, num_steps=end, save_every=save_every,
-      params=jnp.asarray(start), partial=partial)
+      params=jnp.asarray(start), partial=partial, agree=agree)
   return src, calls
 
 
@@ -103,6 +106,41 @@ def test_partial_rollouts_move_on_to_the_newest_handed_over_version():
     assert weights == version == max(step - 2, 0)
     if newer is not None:
       assert newer[0] == newer[1] > version and step - newer[1] <= 2
+
+
+def test_a_rollout_group_moves_to_the_same_version_at_the_same_poll():
+  """Two processes of a rollout group (two sources here, agreeing through a 2-party exchange as
+  `agree_on_version` broadcasts process 0's version): the second gets each version 0.5 s after
+  the first, longer than a batch decodes before it polls, yet both move to the same version at
+  every poll, the second waiting for it (without the agreement they part ways: checked)."""
+  barrier, said = threading.Barrier(2), {}
+
+  def agree(rank):
+    def exchange(version):
+      if rank == 0:
+        said["v"] = version
+      barrier.wait()
+      out = said["v"]
+      barrier.wait()  # both have read it before the next poll overwrites it
+      return out
+    return exchange
+
+  (first, calls0), (second, calls1) = (_source(2, end=6, partial=True, agree=agree(r),
+                                               poll_after=0.3)
+                                       for r in (0, 1))
+  late = []
+  try:
+    for step in range(6):
+      first.next(step, None), second.next(step, None)
+      first.updated(step + 1, jnp.asarray(step + 1))
+      late.append(threading.Timer(0.5, second.updated, (step + 1, jnp.asarray(step + 1))))
+      late[-1].start()
+  finally:
+    for t in late:
+      t.join()
+    first.close(), second.close()
+  assert calls0 == calls1
+  assert any(c[3] is not None for c in calls0)  # some batch moved on to a newer version
 
 
 def test_close_abandons_the_batch_in_flight_at_its_next_chunk():

@@ -40,20 +40,42 @@ def test_role_mistakes_are_one_line(role, peer, devices, k, message):
     rp.check_role(role, peer, _spec(devices, k))
 
 
-def test_partial_rollouts_on_sides_of_several_processes_are_refused(monkeypatch):
-  """Which chunk of a batch moves to newer weights depends on timing: the processes of a rollout
-  group would part ways."""
+def test_process_i_of_a_side_pairs_with_process_i_of_the_other(monkeypatch):
+  """--peer's item i, and a key file and (--peer=auto) an address file per pair; partial
+  rollouts are allowed on sides of several processes (the group agrees on each version)."""
   spec = _spec()
   spec.algorithm.partial_rollouts = True
   monkeypatch.setattr(rp.jax, "process_count", lambda: 2)
   monkeypatch.setattr(peer_link.jax, "process_count", lambda: 2)
   monkeypatch.setattr(peer_link.jax, "process_index", lambda: 1)
-  with pytest.raises(rp.RoleError, match="set algorithm.partial_rollouts=False"):
-    rp.check_role("rollout", "127.0.0.1:1234,127.0.0.1:1235", spec)
-  assert peer_link.process_peer("127.0.0.1:1234,127.0.0.1:1235") == "127.0.0.1:1235"
-  assert peer_link.key_file() == "rollout_peer.1.key"
-  spec.algorithm.partial_rollouts = False
   rp.check_role("rollout", "127.0.0.1:1234,127.0.0.1:1235", spec)
+  rp.check_role("rollout", "auto", spec)
+  assert peer_link.process_peer("127.0.0.1:1234,127.0.0.1:1235") == "127.0.0.1:1235"
+  assert peer_link.process_peer("auto") == "auto"
+  assert peer_link.key_file() == "rollout_peer.1.key"
+  assert peer_link.address_file() == "rollout_peer.1.addr"
+
+
+def test_auto_peer_finds_the_training_process_through_the_workdir(tmp_path, monkeypatch):
+  """--peer=auto: the training process listens on a free port and writes it to the workdir;
+  an earlier launch's address there is retried until this launch's answers."""
+  monkeypatch.setenv("DAPO_PEER_HOST", "127.0.0.1")
+  (tmp_path / peer_link.address_file()).write_text(f"127.0.0.1:{processes.free_port()}")
+  ends = {}
+  t = threading.Thread(target=lambda: ends.update(rollout=Link.connect("auto", str(tmp_path))))
+  t.start()
+  time.sleep(1.5)  # the rollout is retrying the stale address meanwhile
+  ends["train"] = Link.listen("auto", str(tmp_path), timeout_s=30.0)
+  t.join()
+  try:
+    written = (tmp_path / peer_link.address_file()).read_text()
+    assert written.startswith("127.0.0.1:") and written != "127.0.0.1:0"
+    ends["rollout"].send(("experience", 1, "one"))
+    assert ends["train"].wait("experience", 1) == ("experience", 1, "one")
+  finally:
+    ends["train"].close(), ends["rollout"].close()
+  with pytest.raises(PeerError, match=r"at auto \(rollout_peer.addr in .*\) did not answer"):
+    Link.connect("auto", str(tmp_path / "empty"), timeout_s=0.5)
 
 
 def test_roles_that_fit_pass():

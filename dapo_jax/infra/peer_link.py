@@ -20,6 +20,13 @@ count): process i of one side is joined to process i of the other, one link each
 lists one HOST:PORT per training process; ``rollout_peer.<i>.key``). Both processes of a pair
 hold the same shards of every array (the same meshes over the same local device counts), so a
 pull moves only the shards of that pair.
+
+``--peer=auto`` is for launches that cannot know the training hosts in advance (a SLURM job,
+`launch/slurm_gpu.sbatch`): each training process listens on a free port of its own address
+and writes HOST:PORT to ``<workdir>/rollout_peer.addr`` (``rollout_peer.<i>.addr``) beside its
+key; each rollout process reads it there, and retries until a training process of this launch
+answers. The address is ``DAPO_PEER_HOST`` when set, else the interface that reaches the
+training side's ``jax.distributed`` coordinator (JAX_COORDINATOR_ADDRESS), else the host name's.
 """
 
 from __future__ import annotations
@@ -51,12 +58,24 @@ class PeerAddressError(ValueError):
 
 
 KEY_FILE = "rollout_peer.key"  # in the workdir: this launch's channel key (module docstring)
+AUTO = "auto"  # --peer=auto: the training processes write where they listen (module docstring)
 
 
 def key_file() -> str:
   """This process's key file: `KEY_FILE`, or ``rollout_peer.<i>.key`` on process i of a side of
   several."""
-  return KEY_FILE if jax.process_count() == 1 else f"rollout_peer.{jax.process_index()}.key"
+  return _pair_file("key")
+
+
+def address_file() -> str:
+  """Where this pair's training process writes its HOST:PORT under ``--peer=auto``."""
+  return _pair_file("addr")
+
+
+def _pair_file(suffix: str) -> str:
+  if jax.process_count() == 1:
+    return f"rollout_peer.{suffix}"
+  return f"rollout_peer.{jax.process_index()}.{suffix}"
 
 
 def _new_key(workdir: str) -> bytes:
@@ -64,16 +83,7 @@ def _new_key(workdir: str) -> bytes:
   if os.environ.get("DAPO_PEER_KEY"):
     return os.environ["DAPO_PEER_KEY"].encode()
   key = secrets.token_hex(32).encode()
-  path = run_files.resolve(workdir) / key_file()
-  if run_files.is_remote(path):
-    run_files.write_bytes_atomic(path, key)
-    return key
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-  with os.fdopen(fd, "wb") as f:
-    f.write(key)
-  os.replace(tmp, path)
+  _write_private(workdir, key_file(), key)
   return key
 
 
@@ -82,11 +92,7 @@ def _read_key(workdir: str) -> bytes | None:
   yet)."""
   if os.environ.get("DAPO_PEER_KEY"):
     return os.environ["DAPO_PEER_KEY"].encode()
-  path = run_files.resolve(workdir) / key_file()
-  try:
-    return path.read_bytes()
-  except (FileNotFoundError, OSError):
-    return None
+  return _read_file(workdir, key_file())
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -98,7 +104,9 @@ def parse_peer(peer: str) -> tuple[str, int]:
 
 def process_peer(peer: str) -> str:
   """This process's item of ``--peer``: HOST:PORT, or one comma-separated HOST:PORT per
-  training process (in process order) on a side of several processes."""
+  training process (in process order) on a side of several processes; `AUTO` as it is."""
+  if peer == AUTO:
+    return peer
   items = peer.split(",")
   n = jax.process_count()
   if len(items) != n:
@@ -116,6 +124,40 @@ def _local_address(peer_host: str) -> str:
   with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
     s.connect((socket.gethostbyname(peer_host), 9))  # no packet is sent
     return s.getsockname()[0]
+
+
+def _advertised_host() -> str:
+  """Where a training process listens under ``--peer=auto`` (module docstring)."""
+  if os.environ.get("DAPO_PEER_HOST"):
+    return os.environ["DAPO_PEER_HOST"]
+  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS", "").rpartition(":")[0]
+  try:
+    if coordinator:
+      return _local_address(coordinator)
+    return socket.gethostbyname(socket.gethostname())
+  except OSError:
+    return "127.0.0.1"
+
+
+def _write_private(workdir: str, name: str, data: bytes) -> None:
+  """``<workdir>/name``, replaced whole, readable by its owner alone on a local disk."""
+  path = run_files.resolve(workdir) / name
+  if run_files.is_remote(path):
+    run_files.write_bytes_atomic(path, data)
+    return
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def _read_file(workdir: str, name: str) -> bytes | None:
+  try:
+    return (run_files.resolve(workdir) / name).read_bytes()
+  except (FileNotFoundError, OSError):
+    return None
 
 
 class Link:
@@ -150,10 +192,17 @@ class Link:
   @classmethod
   def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
     """The training process: waits for the rollout process to connect to ``peer`` (this
-    process's item, `process_peer`)."""
+    process's item, `process_peer`; `AUTO`: a free port, written to the workdir)."""
     peer = process_peer(peer)
-    host, port = parse_peer(peer)
+    if peer == AUTO:
+      host, port = _advertised_host(), 0
+    else:
+      host, port = parse_peer(peer)
     listener = connection.Listener((host, port), authkey=_new_key(workdir))
+    hint = peer
+    if peer == AUTO:
+      peer = f"{host}:{listener.address[1]}"
+      _write_private(workdir, address_file(), peer.encode())
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(_accept(listener)), daemon=True)
     t.start()
@@ -161,7 +210,7 @@ class Link:
     listener.close()
     if not got:
       raise PeerError(f"no rollout process connected to {peer} within {timeout_s:.0f} s (start "
-                      f"dapo-train --role=rollout --peer={peer} with the same --config and "
+                      f"dapo-train --role=rollout --peer={hint} with the same --config and "
                       "--workdir)")
     if isinstance(got[0], BaseException):
       raise PeerError(f"the rollout process's connection to {peer} failed: {got[0]}")
@@ -171,11 +220,16 @@ class Link:
   def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
     """The rollout process: connects to the training process at ``peer`` (retried until it
     listens; ``peer``: as `listen`'s)."""
-    peer = process_peer(peer)
-    host, port = parse_peer(peer)
+    peer = item = process_peer(peer)
     deadline = time.monotonic() + timeout_s
     while True:  # until it listens with the key it wrote for this launch
       try:
+        if item == AUTO:  # where it listens this launch (an earlier launch's: refused, retried)
+          written = _read_file(workdir, address_file())
+          if written is None:
+            raise FileNotFoundError(f"no {address_file()} in {workdir} yet")
+          peer = written.decode()
+        host, port = parse_peer(peer)
         key = _read_key(workdir)
         if key is None:
           raise FileNotFoundError(f"no {key_file()} in {workdir} yet")
@@ -183,7 +237,8 @@ class Link:
         break
       except (OSError, multiprocessing.AuthenticationError) as e:
         if time.monotonic() > deadline:
-          raise PeerError(f"the training process at {peer} did not answer within "
+          where = peer if item != AUTO else f"{peer} ({address_file()} in {workdir})"
+          raise PeerError(f"the training process at {where} did not answer within "
                           f"{timeout_s:.0f} s ({e})") from e
         time.sleep(1.0)
     return cls(conn, _local_address(host))

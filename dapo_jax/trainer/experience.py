@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _log = logging.getLogger(__name__)
 
@@ -94,20 +95,26 @@ class OverlappedExperience:
   the rollout (called in `updated`), ``receive`` (default: as it is) what the rollout samples
   with, from that (called by the rollout thread; a LoRA run merges its adapters there).
   ``weight_bytes`` counts what crossed.
+
+  Several processes rolling out together (a rollout group, `rollout_process`) must move their
+  samples to a newer version at the same chunk, or their decode programs would mix the shards
+  of two versions. At each poll they ``agree`` on the version (default: process 0's newest
+  handed-over version, broadcast to the group, `agree_on_version`); a process that has not yet
+  received it waits for its hand-off, which every training process makes after the same update.
   """
 
   def __init__(self, sample: SampleFn, to_rollout: Callable[[Any], Any],
                resume_state: Callable[[], dict[str, Any]], *, max_staleness: int,
                start_step: int, num_steps: int, save_every: int, params: Any,
                partial: bool = False, owned: bool = True,
-               receive: Callable[[Any], Any] | None = None):
+               receive: Callable[[Any], Any] | None = None,
+               agree: Callable[[int], int] | None = None):
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the overlapped source needs >= 1.")
-    if partial and jax.process_count() > 1:
-      raise NotImplementedError(
-          "algorithm.partial_rollouts on several processes: which chunk takes a newer version "
-          "depends on timing, and every process must take it at the same chunk.")
     self.max_staleness, self.partial, self._owned = max_staleness, partial, owned
+    if agree is None and jax.process_count() > 1:
+      agree = agree_on_version
+    self._agree = agree
     # Several processes roll out together (a rollout group, `rollout_process`): a close
     # finishes the batches whose weights were handed over instead of abandoning one mid-way,
     # so every process stops after the same batch.
@@ -263,12 +270,26 @@ class OverlappedExperience:
     def newest() -> tuple[Any, int] | None:
       with self._cond:
         latest = max(self._weights, default=current[0])
-        if latest <= current[0]:
-          return None
+      if self._agree is not None:  # a rollout group: the version every process moves to
+        latest = self._agree(latest)
+      if latest <= current[0]:
+        return None
+      with self._cond:
+        while latest not in self._weights:  # handed over to another process of the group
+          if self._stop:  # closed: no more hand-offs come (a stop's last one came before it)
+            raise _Stopped()
+          self._cond.wait(timeout=1.0)
         current[0] = latest
         moved = self._weights[latest][0]
       return self._receive(moved), latest
     return newest
+
+
+def agree_on_version(version: int) -> int:
+  """Process 0's ``version``, on every process of the ``jax.distributed`` job (a collective:
+  every process calls it at the same point)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(multihost_utils.broadcast_one_to_all(np.int64(version)))
 
 
 def scheduled_version(step: int, max_staleness: int, save_every: int, start: int) -> int:

@@ -69,10 +69,6 @@ def check_role(role: str, peer: str, spec) -> None:
   if spec.rollout_devices:
     raise RoleError(f"--role={role} with config.rollout_devices={spec.rollout_devices}: the "
                      "rollout has a process of its own; set config.rollout_devices=0")
-  if jax.process_count() > 1 and spec.algorithm.partial_rollouts:
-    raise RoleError(f"--role={role} on {jax.process_count()} processes a side with "
-                    "algorithm.partial_rollouts: every rollout process would have to move to a "
-                    "newer version at the same chunk; set algorithm.partial_rollouts=False")
 
 
 class RemoteExperience:

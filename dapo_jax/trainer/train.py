@@ -351,6 +351,8 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
   # Every process must train on the same batch (the filter saw gathered rewards).
   distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
                                            "The dynamic-sampling batch")
+  if traj.token_version is not None:  # partial rollouts: the group moved versions together
+    distributed.assert_same_on_all_processes(traj.token_version, "The tokens' policy versions")
   r = spec.rollout
   ppc = r.prompts_per_call if r.engine == "static" else 0
   diag = diagnostics.sampling_metrics(stream.log, groups,
