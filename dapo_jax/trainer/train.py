@@ -348,11 +348,13 @@ def _sample(spec: RunSpec, run: run_setup.Run, weights, step: int, version: int,
   ds_stats.decode_slot_steps = int(decoded["slot_steps"])
   ds_stats.preemptions = int(decoded.get("preemptions", 0))
   traj = Trajectories.from_groups(groups)
-  # Every process must train on the same batch (the filter saw gathered rewards).
-  distributed.assert_same_on_all_processes(np.stack([traj.lengths, traj.group_ids]),
-                                           "The dynamic-sampling batch")
-  if traj.token_version is not None:  # partial rollouts: the group moved versions together
-    distributed.assert_same_on_all_processes(traj.token_version, "The tokens' policy versions")
+  # Every process must train on the same batch (the filter saw gathered rewards); with partial
+  # rollouts, every rollout process must have moved its samples to each version together.
+  checked = [traj.lengths, traj.group_ids]
+  if traj.token_version is not None:
+    checked.append(traj.token_version.ravel())
+  distributed.assert_same_on_all_processes(np.concatenate(checked),
+                                           "The dynamic-sampling batch (or its tokens' versions)")
   r = spec.rollout
   ppc = r.prompts_per_call if r.engine == "static" else 0
   diag = diagnostics.sampling_metrics(stream.log, groups,
