@@ -196,6 +196,12 @@ def default_config() -> ml_collections.ConfigDict:
   # "exact": the mini-batch's own normaliser in every micro-batch (spec 4); "verl": each
   # micro-batch's mean weighted by its share of sequences (verl's approximation).
   c.optim.micro_batch_loss = "exact"
+  # Packed sequences (trainer/packing.py): the old log-probs, the KL reference and the update
+  # compute on each row's real tokens, several sequences to a packed row of max_tokens_per_row
+  # tokens (0: data.max_prompt_length + rollout.max_response_length, the longest sequence),
+  # each attending within itself. False: every row P + R long, as before packing existed.
+  c.optim.packing = True
+  c.optim.max_tokens_per_row = 0
   c.optim.weight_decay = 0.1
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
@@ -338,6 +344,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("optim.warmup_style", o.warmup_style, f"choose one of {WARMUP_STYLES}")
   if o.micro_batch_loss not in MICRO_BATCH_LOSSES:
     bad("optim.micro_batch_loss", o.micro_batch_loss, f"choose one of {MICRO_BATCH_LOSSES}")
+  _check_packing(c, bad)
   if o.train_batch_size <= 0 or o.mini_batch_size <= 0:
     bad("optim.train_batch_size", o.train_batch_size, "batch sizes must be positive")
   if c.rollout.get("stop_tokens", STOP_TOKENS[0]) not in STOP_TOKENS:
@@ -385,6 +392,22 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
   if c.checkpoint.storage_wait_s < 0:
     bad("checkpoint.storage_wait_s", c.checkpoint.storage_wait_s, "must be >= 0 seconds")
   _check_logging(c, bad)
+
+
+def _check_packing(c: ml_collections.ConfigDict, bad) -> None:
+  o = c.optim
+  if not isinstance(o.packing, bool):
+    bad("optim.packing", o.packing, "must be True or False")
+  longest = c.data.max_prompt_length + c.rollout.max_response_length
+  if not isinstance(o.max_tokens_per_row, int) or o.max_tokens_per_row < 0 or (
+      0 < o.max_tokens_per_row < longest):
+    bad("optim.max_tokens_per_row", o.max_tokens_per_row,
+        f"must be 0 (the longest sequence) or at least data.max_prompt_length + "
+        f"rollout.max_response_length = {longest}, so any sequence fits a packed row")
+  if o.packing and o.micro_batch_loss != "exact":
+    bad("optim.micro_batch_loss", o.micro_batch_loss,
+        "packed micro-batches are no sets of whole rows for verl's per-micro-batch weighting; "
+        "use 'exact' or optim.packing=False")
 
 
 def _check_rollout_is(c: ml_collections.ConfigDict, bad) -> None:

@@ -100,8 +100,12 @@ def test_verl_warmup_and_micro_batch_loss_are_run_config_keys():
   from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "dapo_qwen2_5_32b.py")
-  fv = cli.parse("dapo-train", "", [f"--config={path}", "--config.optim.warmup_style=verl",
-                                    "--config.optim.micro_batch_loss=verl"])
+  verl = [f"--config={path}", "--config.optim.warmup_style=verl",
+          "--config.optim.micro_batch_loss=verl"]
+  # verl's per-micro-batch weighting counts whole rows: refused with packed rows in one line.
+  with pytest.raises(ValueError, match=r"micro_batch_loss='verl'.*optim.packing=False"):
+    config_lib.validate(cli.parse("dapo-train", "", verl).config)
+  fv = cli.parse("dapo-train", "", verl + ["--config.optim.packing=False"])
   config_lib.validate(fv.config)
   tcfg = RunSpec.from_config(fv.config).train_config()
   assert (tcfg.warmup_style, tcfg.micro_batch_loss) == ("verl", "verl")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dapo_jax.infra import sharding as shd
+from dapo_jax.models import segment_attention
 from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
 from dapo_jax.infra.profiling import scoped
 
@@ -40,10 +41,24 @@ class Mask:
   ``dense_BxTxS`` is the full boolean mask (True = attend). When ``causal`` is set, it is exactly
   ``tril(T, S) & key_valid_BxS[:, None, :]`` with T == S: the structure the fused kernels take
   (a causal kernel plus per-token segment ids or a bias), so they never read the dense mask.
+  ``segment_ids_BxS`` (packed rows, trainer/packing.py): a query attends only to keys of its own
+  segment, ``tril & (seg_q == seg_k) & (seg_k > 0)``; segment 0 is padding.
   """
   dense_BxTxS: jax.Array
   key_valid_BxS: jax.Array
   causal: bool = flax.struct.field(pytree_node=False, default=False)
+  segment_ids_BxS: jax.Array | None = None
+
+
+def causal_mask(key_valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None) -> Mask:
+  """The causal Mask of a full pass (query t at key slot t) over rows whose real tokens are
+  ``key_valid``; with ``segment_ids`` (packed rows) each segment attends within itself only."""
+  t = key_valid_BxT.shape[1]
+  dense_BxTxT = (jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]) & (
+      key_valid_BxT[:, None, :])
+  if segment_ids_BxT is not None:
+    dense_BxTxT &= segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+  return Mask(dense_BxTxT, key_valid_BxT, causal=True, segment_ids_BxS=segment_ids_BxT)
 
 
 @contextlib.contextmanager
@@ -158,9 +173,19 @@ def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):
 
 def padding_bias(mask: Mask, num_queries: int, dtype) -> jax.Array:
   """[B, 1, T, S]: 0 where the key is real, a large negative number at padding keys (finite, as
-  jax.nn's masks), the same for every query."""
+  jax.nn's masks), the same for every query. Packed rows (``mask.segment_ids_BxS``): 0 where
+  the key is real and of the query's segment; a padding query (segment 0) sees padding keys, so
+  its row is finite. The same one [B, 1, T, S] array either way.
+
+  jax 0.10.2's public `jax.nn.dot_product_attention` takes no segments; cuDNN's packed form
+  (q/kv offsets) is reachable only through jax._src, and is not used: a packed row on GPU
+  still computes its whole causal square (the TPU kernel skips: models/segment_attention.py)."""
   neg = jnp.asarray(0.7 * jnp.finfo(dtype).min, dtype)
-  key_bias_BxS = jnp.where(mask.key_valid_BxS, jnp.asarray(0, dtype), neg)
+  zero = jnp.asarray(0, dtype)
+  seg = mask.segment_ids_BxS
+  if seg is not None:
+    return jnp.where(seg[:, None, :num_queries, None] == seg[:, None, None, :], zero, neg)
+  key_bias_BxS = jnp.where(mask.key_valid_BxS, zero, neg)
   b, s = key_bias_BxS.shape
   return jnp.broadcast_to(key_bias_BxS[:, None, None, :], (b, 1, num_queries, s))
 
@@ -208,9 +233,12 @@ def _head_and_batch_specs(b: int, h: int, kh: int):
   return ctx.mesh, PartitionSpec(batch, heads, None, None), PartitionSpec(batch, None)
 
 
-def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, key_valid_BxS, *,
-                     interpret: bool | None = None):
-  """Causal GQA through the Pallas TPU splash kernel; padding as segment ids (0 pad, 1 real).
+def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxS, *,
+                     interpret: bool | None = None, skip_blocks: bool = False):
+  """Causal GQA through the Pallas TPU splash kernel. ``segment_ids_BxS`` int: 0 at padding,
+  the row's segment (1 for an unpacked row, 1.. for packed sequences) at real tokens; a bool
+  key-validity mask is read as segments 0 / 1. ``skip_blocks`` (packed rows): each row's own
+  block map, so blocks across two segments are not computed (models/segment_attention.py).
 
   A padding query attends to padding keys only: finite, and never read.
   """
@@ -229,10 +257,13 @@ def splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, key_valid_BxS, *,
   # Splash does not scale the scores: scale q first (as MaxText does).
   q_BxHxTxE = (q_BxTxHxE * (e ** -0.5)).astype(q_BxTxHxE.dtype).transpose(0, 2, 1, 3)
   k_BxKxSxE, v_BxKxSxE = (x.transpose(0, 2, 1, 3) for x in (k_BxSxKxE, v_BxSxKxE))
-  seg_BxS = key_valid_BxS.astype(jnp.int32)
+  seg_BxS = segment_ids_BxS.astype(jnp.int32)
   specs = _head_and_batch_specs(b, h, kh)
 
   def run(q, k, v, seg):
+    if skip_blocks:
+      return jax.vmap(functools.partial(segment_attention.segment_splash, block=block,
+                                        interpret=interpret))(q, k, v, seg)
     kernel = _splash_kernel(t, q.shape[1], block, interpret)
     return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=SegmentIds(a[3], a[3])))(q, k, v, seg)
 
@@ -255,4 +286,8 @@ def dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask, *, impl: 
     return xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.dense_BxTxS)
   if impl == "cudnn":
     return cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask)
-  return splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.key_valid_BxS)
+  if mask.segment_ids_BxS is None:
+    return splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE,
+                            mask.key_valid_BxS.astype(jnp.int32))
+  return splash_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask.segment_ids_BxS,
+                          skip_blocks=True)

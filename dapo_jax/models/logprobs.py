@@ -170,6 +170,43 @@ def response_log_probs(model: nnx.Module, input_ids_BxL: jax.Array,
                              entropy_grad=entropy_grad)
 
 
+def packed_response_log_probs(model: nnx.Module, input_ids_BxL: jax.Array,
+                              positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
+                              token_index_CxR: jax.Array, num_shards: int, *,
+                              temperature: float = 1.0, chunk_size: int = 512,
+                              entropy_grad: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`response_log_probs` of packed rows (trainer/packing.py), back in the row layout.
+
+  The B packed rows hold several sequences each (``segment_ids``, positions restarting per
+  sequence); the pass computes every position's next-token log-prob and entropy ([B, L]), and
+  ``token_index`` [C, R] picks each response token's from the position before it: an index into
+  one shard's packed rows flattened (the batch axis is ``num_shards`` equal blocks of rows, as
+  the batch sharding lays them, and the C rows too), so the gather stays on its shard.
+
+  Returns:
+    (log_probs_CxR, entropy_CxR), float32; values where the index is a placeholder are finite
+    but meaningless (mask them).
+  """
+  b, seq_len = input_ids_BxL.shape
+  h_BxLxD, _ = model.hidden_states(input_ids_BxL, positions_BxL, segment_ids_BxT=segment_ids_BxL)
+  # Position p predicts token p + 1 (across a segment's end the value is never gathered).
+  targets_BxL = jnp.pad(input_ids_BxL[:, 1:], ((0, 0), (0, 1)))
+  logp_BxL, ent_BxL = chunked_token_stats(h_BxLxD, model.lm_head_kernel(), targets_BxL,
+                                          temperature=temperature, chunk_size=chunk_size,
+                                          entropy_grad=entropy_grad)
+  c, r = token_index_CxR.shape
+  if b % num_shards or c % num_shards:
+    raise ValueError(f"{b} packed rows and {c} sequence slots must split into {num_shards} "
+                     f"shards (trainer/packing.py lays them out so).")
+  idx_SxN = token_index_CxR.reshape(num_shards, (c // num_shards) * r)
+
+  def gather(x_BxL):
+    x_SxM = x_BxL.reshape(num_shards, (b // num_shards) * seq_len)
+    return jnp.take_along_axis(x_SxM, idx_SxN, axis=1, mode="clip").reshape(c, r)
+
+  return gather(logp_BxL), gather(ent_BxL)
+
+
 def split_micro(x: jax.Array, num_micro: int) -> jax.Array:
   """[B, ...] -> [num_micro, B / num_micro, ...], row i to micro-batch i % n.
 
@@ -221,6 +258,31 @@ def forward_log_probs(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State
   # TraceContextError with rematerialisation on).
   _, out = jax.lax.scan(lambda w, xs: (w, one(w, xs)), (params, rest),
                         tuple(split_micro(x, b // micro_batch_size) for x in rows))
+  return tuple(merge_micro(x) for x in out)
+
+
+def forward_packed_log_probs(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
+                             input_ids_BxL: jax.Array, positions_BxL: jax.Array,
+                             segment_ids_BxL: jax.Array, token_index_CxR: jax.Array,
+                             num_shards: int, *, temperature: float = 1.0,
+                             chunk_size: int = 512, num_micro: int = 1
+                             ) -> tuple[jax.Array, jax.Array]:
+  """No-grad `packed_response_log_probs` ([C, R] log-probs and entropy), in ``num_micro``
+  micro-batches of the packed rows (a `lax.scan`; the packer lays the rows out for the update's
+  micro-batches, `split_micro`'s strided order, so the same split serves here)."""
+  params = jax.lax.stop_gradient(params)
+  packed = (input_ids_BxL, positions_BxL, segment_ids_BxL)
+
+  def one(weights, xs, idx):
+    ids, pos, seg = (constrain(x, ("batch", None)) for x in xs)
+    model = nnx.merge(graphdef, *weights)
+    return packed_response_log_probs(model, ids, pos, seg, constrain(idx, ("batch", None)),
+                                     num_shards, temperature=temperature, chunk_size=chunk_size)
+
+  if num_micro <= 1:
+    return one((params, rest), packed, token_index_CxR)
+  xs = (tuple(split_micro(x, num_micro) for x in packed), split_micro(token_index_CxR, num_micro))
+  _, out = jax.lax.scan(lambda w, x: (w, one(w, *x)), (params, rest), xs)
   return tuple(merge_micro(x) for x in out)
 
 

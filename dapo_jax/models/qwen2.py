@@ -359,21 +359,27 @@ class Qwen2ForCausalLM(nnx.Module):
     return jax.lax.scan(step, carry, (state, xs))
 
   def hidden_states(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-                    attention_mask_BxT: jax.Array | None = None, *, with_cache: bool = False
+                    attention_mask_BxT: jax.Array | None = None, *, with_cache: bool = False,
+                    segment_ids_BxT: jax.Array | None = None
                     ) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [B, T, D] of a causal pass over T tokens, and (`with_cache`) a
-    T-slot KVCache of its keys and values, valid where the mask is (see `prefill`)."""
+    T-slot KVCache of its keys and values, valid where the mask is (see `prefill`).
+
+    `segment_ids_BxT` (packed rows, trainer/packing.py): several sequences a row, each attending
+    within itself; 0 marks padding, and the mask defaults to ``segment_ids > 0``. Positions
+    must then restart per sequence (the packer's)."""
     cfg = self.config
     b, t = input_ids_BxT.shape
     if attention_mask_BxT is None:
-      attention_mask_BxT = jnp.ones((b, t), bool)
+      attention_mask_BxT = (jnp.ones((b, t), bool) if segment_ids_BxT is None
+                            else segment_ids_BxT > 0)
     attention_mask_BxT = attention_mask_BxT.astype(bool)
     if positions_BxT is None:
+      if segment_ids_BxT is not None:
+        raise ValueError("Packed rows (segment_ids) need their per-sequence positions.")
       positions_BxT = default_positions(attention_mask_BxT)
-    causal_BxTxT = jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]
     # Query t at key slot t: the structure the fused kernels take (attention.Mask).
-    mask = attention.Mask(causal_BxTxT & attention_mask_BxT[:, None, :], attention_mask_BxT,
-                          causal=True)
+    mask = attention.causal_mask(attention_mask_BxT, segment_ids_BxT)
 
     x = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("batch", "length", "act_embed"))

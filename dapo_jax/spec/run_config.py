@@ -56,6 +56,9 @@ SAFE_KEYS = {
     "mesh": "device layout", "rollout_mesh": "device layout", "dcn_mesh": "device layout",
     "rollout_devices": "device layout",
     "model.remat": "recompute or store activations (memory only)",
+    # The same loss on the same tokens, computed in packed rows (float rounding apart).
+    "optim.packing": "how the trainer lays out the same tokens",
+    "optim.max_tokens_per_row": "how the trainer lays out the same tokens",
     "reward.num_workers": "verifier processes",
     # The engine's KV memory and kernel: a sample draws the same tokens with the same keys
     # either way (log-probs equal to ~1e-6, tests/test_paged_engine.py).

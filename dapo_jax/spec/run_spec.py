@@ -147,6 +147,8 @@ class OptimSpec:
   warmup_steps: int
   warmup_style: str
   micro_batch_loss: str
+  packing: bool
+  max_tokens_per_row: int
   weight_decay: float
   b1: float
   b2: float
@@ -310,6 +312,8 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   _merge(merged, config)
   if "model" in config and "scan_layers" not in config.model:
     merged.model.scan_layers = False
+  if "optim" in config and "packing" not in config.optim:  # trained padded, as it was then
+    merged.optim.packing = False
   return merged
 
 

@@ -32,6 +32,7 @@ from dapo_jax.infra import distributed
 from dapo_jax.trainer import evaluate as eval_lib
 from dapo_jax.trainer import experience as exp_lib
 from dapo_jax.trainer import logprob_gap
+from dapo_jax.trainer import packing
 from dapo_jax.spec import run_config
 from dapo_jax.infra import run_files
 from dapo_jax.trainer import reference
@@ -187,10 +188,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         traj, ds_stats, diag = exp.batch
         adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
+        layouts = _pack(spec, run, traj)  # optim.packing: each mini-batch's packed rows
         old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
-                                                     ref_params, decoupled=staleness > 0)
+                                                     ref_params, decoupled=staleness > 0,
+                                                     layouts=layouts)
       with timer("update"):
-        state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp)
+        state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp, layouts)
       source.updated(step + 1, state.params)  # the new weights to the rollout
       for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
         consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
@@ -198,6 +201,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              rollout_s=exp.times["rollout"])
       metrics.update(diag)
       metrics.update(_grad_weight_metrics(spec, traj, adv))
+      metrics.update(_packing_metrics(spec, run, layouts))
       if staleness:
         metrics.update(traj_lib.staleness_metrics(traj, step, staleness))
         metrics.update(_overlap_metrics(exp))
@@ -409,40 +413,86 @@ def _grad_weight_metrics(spec: RunSpec, traj: Trajectories, adv: np.ndarray
                                        spec.rollout.max_response_length)
 
 
+def _pack(spec: RunSpec, run: run_setup.Run, traj: Trajectories
+          ) -> list[packing.PackLayout] | None:
+  """Each mini-batch's packed layout (optim.packing), for the old log-probs, the reference and
+  the update alike; None: the padded rows."""
+  o = spec.optim
+  if not o.packing:
+    return None
+  return packing.layouts(traj.attention_mask, spec.sizes.rows_per_update,
+                         o.max_tokens_per_row or spec.sizes.max_length,
+                         packing.num_batch_shards(run.mesh), run.train_config.num_micro_batches)
+
+
+def _packing_metrics(spec: RunSpec, run: run_setup.Run,
+                     layouts: list[packing.PackLayout] | None) -> dict[str, float]:
+  """Packed rows' fill and the distinct programs compiled so far (bounded by the buckets)."""
+  if layouts is None:
+    return {}
+  out = packing.metrics(layouts, spec.optim.max_tokens_per_row or spec.sizes.max_length,
+                        spec.sizes.max_length)
+  out["packing/train_programs"] = float(run.step_fn.num_programs)
+  out["packing/logprob_programs"] = float(run.logp_fn.num_programs)
+  return out
+
+
+def _forward(run: run_setup.Run, params, traj: Trajectories, ref_params=None,
+             layouts: list[packing.PackLayout] | None = None) -> tuple[np.ndarray, ...]:
+  """The training forward's ``(logp, entropy[, ref])`` [N, R] host arrays of ``params`` (and
+  the reference's), on the padded rows or, with ``layouts``, mini-batch by mini-batch packed
+  (consecutive rows, as `_pack` cut them)."""
+  if layouts is None:
+    rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
+            distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
+    return tuple(np.asarray(x) for x in distributed.global_to_host(
+        run.logp_fn(params, *rows, ref_params=ref_params)))
+  per_batch, start = [], 0
+  for lay in layouts:
+    sl = slice(start, start + lay.num_rows)
+    start += lay.num_rows
+    rows = packing.packed_rows(lay, traj.input_ids[sl], traj.attention_mask[sl],
+                               traj.response_len)
+    rows = jax.tree.map(lambda x: distributed.rows_on_device(x, run.mesh), rows)
+    out = distributed.global_to_host(run.logp_fn.packed(params, rows, ref_params=ref_params))
+    per_batch.append(tuple(lay.unpack_rows(np.asarray(x)) for x in out))
+  return tuple(np.concatenate(parts) for parts in zip(*per_batch))
+
+
 def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, traj: Trajectories,
-                   step: int, ref_params=None, *, decoupled: bool = False):
+                   step: int, ref_params=None, *, decoupled: bool = False,
+                   layouts: list[packing.PackLayout] | None = None):
   """``(old, entropy, ref)`` log-probs (spec 6.2). Old: the behaviour policy's, the sampler's
   or the training forward's (+ entropy) with the sampler's kept for groups carried from an
   earlier step. ``decoupled`` (max_staleness >= 1): the training forward's on every row, the
   proximal policy of the decoupled objective (the sampler's enter as the behaviour weight).
-  Ref: the KL reference's, in the same compiled pass (None without one)."""
-  rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
-          distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
+  Ref: the KL reference's, in the same compiled pass (None without one). ``layouts``: packed."""
   if rollout.use_sampler_logprobs:
     ref = None
     if ref_params is not None:
-      ref = np.asarray(distributed.global_to_host(run.logp_fn(ref_params, *rows)[0]))
+      ref = _forward(run, ref_params, traj, layouts=layouts)[0]
     return traj.sampler_logprobs, None, ref
   if ref_params is None:
-    logp, entropy = distributed.global_to_host(run.logp_fn(state.params, *rows))
+    logp, entropy = _forward(run, state.params, traj, layouts=layouts)
     ref = None
   else:
-    logp, entropy, ref = distributed.global_to_host(
-        run.logp_fn(state.params, *rows, ref_params=ref_params))
-    ref = np.asarray(ref)
+    logp, entropy, ref = _forward(run, state.params, traj, ref_params, layouts)
   if decoupled:
     return np.asarray(logp, np.float32), entropy, ref
   return traj_lib.behaviour_log_probs(traj, np.asarray(logp), step), entropy, ref
 
 
 def _update(spec: RunSpec, run: run_setup.Run, state: TrainState, traj: Trajectories, adv, old_logp,
-            step: int, ref_logp=None) -> tuple[TrainState, list[dict[str, Any]]]:
-  """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update."""
+            step: int, ref_logp=None, layouts: list[packing.PackLayout] | None = None
+            ) -> tuple[TrainState, list[dict[str, Any]]]:
+  """``ppo_epochs`` passes of compiled updates over the mini-batches; host metrics per update.
+  ``layouts``: each mini-batch packed (optim.packing)."""
   rows_per_update = spec.sizes.rows_per_update
   updates = []
   for _ in range(spec.optim.ppo_epochs):
     for batch in traj_lib.mini_batches(traj, adv, old_logp, rows_per_update, run.mesh,
-                                       ref_logp, run.train_config.rollout_is != "none"):
+                                       ref_logp, run.train_config.rollout_is != "none",
+                                       layouts):
       state, m = run.step_fn(state, batch, step)
       updates.append(m)
   return state, jax.device_get(updates)

@@ -33,8 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dapo_jax.trainer import objective as obj
 from dapo_jax.infra import sharding as shd
-from dapo_jax.models.logprobs import (forward_log_probs, forward_with_reference, response_log_probs,
-                               split_micro)
+from dapo_jax.models.logprobs import (forward_log_probs, forward_packed_log_probs,
+                                     forward_with_reference, packed_response_log_probs,
+                                     response_log_probs, split_micro)
 from dapo_jax.models import cast_params, default_positions  # noqa: F401  (tests use ts.cast_params)
 from dapo_jax.models import lora
 from dapo_jax.infra.tracing import TraceCounter
@@ -114,10 +115,27 @@ class TrainState:
 
 
 @flax.struct.dataclass
+class PackedRows:
+  """A mini-batch's sequences packed into rows of Lb tokens (trainer/packing.py): B = Bp packed
+  rows, and ``token_index`` maps the row-layout [C, R] response tokens into them. The rows are
+  laid out for ``num_shards`` batch shards and ``num_micro`` micro-batches (`split_micro`)."""
+  input_ids: jax.Array  # [Bp, Lb] int32
+  positions: jax.Array  # [Bp, Lb] int32, restarting at 0 per sequence
+  segment_ids: jax.Array  # [Bp, Lb] int32, 1.. per sequence of a row, 0 = padding
+  token_index: jax.Array  # [C, R] int32, see models.logprobs.packed_response_log_probs
+  num_shards: int = flax.struct.field(pytree_node=False, default=1)
+  num_micro: int = flax.struct.field(pytree_node=False, default=1)
+
+
+@flax.struct.dataclass
 class TrainBatch:
-  """One optimizer mini-batch. L = P + R: left-padded prompt, right-padded response."""
-  input_ids: jax.Array  # [B, L] int32
-  attention_mask: jax.Array  # [B, L]
+  """One optimizer mini-batch. L = P + R: left-padded prompt, right-padded response.
+
+  Packed (``packed`` set, optim.packing): ``input_ids`` and ``attention_mask`` are None, the
+  tokens are in ``packed``, and the [B, R] / [B] arrays are its [C, R] / [C] sequence slots
+  (empty slots fully masked)."""
+  input_ids: jax.Array | None  # [B, L] int32
+  attention_mask: jax.Array | None  # [B, L]
   response_mask: jax.Array  # [B, R], EOS included
   old_log_probs: jax.Array  # [B, R]
   advantages: jax.Array  # [B]
@@ -125,6 +143,7 @@ class TrainBatch:
   ref_log_probs: jax.Array | None = None  # [B, R]; needed when use_kl_loss
   truncated: jax.Array | None = None  # [B] bool; needed when overlong_filter
   sampler_log_probs: jax.Array | None = None  # [B, R]; needed when rollout_is != "none"
+  packed: PackedRows | None = None
 
 
 def lr_at(cfg: TrainConfig, rollout_step: jax.Array | int) -> jax.Array:
@@ -233,11 +252,21 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
       raise ValueError("use_kl_loss=True needs TrainBatch.ref_log_probs.")
     ref_BxR = jnp.where(on_BxR, batch.ref_log_probs.astype(jnp.float32), 0.0)
     finite &= jnp.all(jnp.isfinite(ref_BxR))
-  positions = batch.positions
-  if positions is None:
-    positions = default_positions(batch.attention_mask)
-  per_row = dict(ids=batch.input_ids, attn=batch.attention_mask, pos=positions, mask=mask_BxR,
-                 old=old_BxR, adv=adv_B)
+  if batch.packed is None:
+    positions = batch.positions
+    if positions is None:
+      positions = default_positions(batch.attention_mask)
+    per_row = dict(ids=batch.input_ids, attn=batch.attention_mask, pos=positions, mask=mask_BxR,
+                   old=old_BxR, adv=adv_B)
+  else:
+    if cfg.micro_batch_loss != "exact":
+      raise ValueError("Packed batches need micro_batch_loss='exact' (a packed micro-batch "
+                       "is no set of whole rows verl's weighting could count).")
+    pk = batch.packed
+    if pk.num_micro != cfg.num_micro_batches:
+      raise ValueError(f"The batch was packed for {pk.num_micro} micro-batches, the step "
+                       f"runs {cfg.num_micro_batches}.")
+    per_row = dict(idx=pk.token_index, mask=mask_BxR, old=old_BxR, adv=adv_B)
   if ref_BxR is not None:
     per_row["ref"] = ref_BxR
   if is_BxR is not None:
@@ -246,12 +275,19 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
 
 
 def _micro_loss(params, rest, graphdef, cfg: TrainConfig, mb: dict[str, jax.Array],
-                response_len: int, denom: jax.Array, num_seqs: jax.Array):
-  """Loss of one micro-batch, scaled so micro-batch losses sum to the mini-batch loss."""
+                response_len: int, denom: jax.Array, num_seqs: jax.Array,
+                packed: dict[str, jax.Array] | None = None, num_shards: int = 1):
+  """Loss of one micro-batch, scaled so micro-batch losses sum to the mini-batch loss.
+  ``packed``: the micro-batch's packed rows (ids, pos, seg), ``mb`` then its sequence slots."""
   model = nnx.merge(graphdef, params, rest)
-  logp_BxR, ent_BxR = response_log_probs(
-      model, mb["ids"], mb["attn"], mb["pos"], response_len, temperature=cfg.temperature,
-      chunk_size=cfg.logit_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
+  kw = dict(temperature=cfg.temperature, chunk_size=cfg.logit_chunk_size,
+            entropy_grad=cfg.entropy_coeff != 0.0)
+  if packed is None:
+    logp_BxR, ent_BxR = response_log_probs(model, mb["ids"], mb["attn"], mb["pos"],
+                                           response_len, **kw)
+  else:
+    logp_BxR, ent_BxR = packed_response_log_probs(model, packed["ids"], packed["pos"],
+                                                  packed["seg"], mb["idx"], num_shards, **kw)
   mask_BxR = mb["mask"]
   if cfg.micro_batch_loss == "exact":
     den, weight = denom, 1.0  # spec 4: normaliser of the WHOLE mini-batch.
@@ -293,27 +329,33 @@ def loss_and_grads(graphdef: nnx.GraphDef, cfg: TrainConfig, params: nnx.State,
   denom = obj.loss_denominator(mask_BxR, cfg.loss_agg_mode, r)
   num_seqs = jnp.sum(jnp.any(mask_BxR > 0, axis=-1).astype(jnp.float32))
   grad_fn = jax.grad(_micro_loss, has_aux=True)
+  pk = batch.packed
   micro = functools.partial(grad_fn, params, rest, graphdef, cfg, response_len=r,
-                            denom=denom, num_seqs=num_seqs)
+                            denom=denom, num_seqs=num_seqs,
+                            num_shards=1 if pk is None else pk.num_shards)
   pin = lambda g: g if param_shardings is None else jax.lax.with_sharding_constraint(
       g, param_shardings)
+  per_pack = None if pk is None else dict(ids=pk.input_ids, pos=pk.positions, seg=pk.segment_ids)
+  inputs = (per_row, per_pack)
 
   n = cfg.num_micro_batches
   if n == 1:
-    grads, sums = micro(per_row)
+    grads, sums = micro(per_row, packed=per_pack)
     grads = pin(grads)
   else:
-    xs = {k: split_micro(v, n) for k, v in per_row.items()}
+    xs = jax.tree.map(lambda v: split_micro(v, n), inputs)
 
-    def body(carry, mb):
-      mb = {k: shd.constrain(v, ("batch",) + (None,) * (v.ndim - 1)) for k, v in mb.items()}
-      g, s = micro(mb)
+    def body(carry, mb_and_pk):
+      mb, pk_mb = jax.tree.map(
+          lambda v: shd.constrain(v, ("batch",) + (None,) * (v.ndim - 1)), mb_and_pk)
+      g, s = micro(mb, packed=pk_mb)
       acc_g, acc_s = carry
       acc_g = pin(jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc_g, g))
       return (acc_g, jax.tree.map(jnp.add, acc_s, s)), None
 
     zeros_g = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    _, zeros_s = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], xs))
+    first_mb, first_pk = jax.tree.map(lambda x: x[0], xs)
+    _, zeros_s = jax.eval_shape(functools.partial(micro, packed=first_pk), first_mb)
     zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_s)
     (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s), xs)
 
@@ -367,6 +409,12 @@ class _Compiled:
     self.mesh, self.rules = mesh, rules
     self.traces = TraceCounter()  # traces of this object's functions; tests assert no retrace
     self._jits: dict[Any, Any] = {}
+
+  @property
+  def num_programs(self) -> int:
+    """Distinct programs jitted so far (one per batch structure and shape; packed batches
+    add one per (packed rows, sequence slots) bucket pair, trainer/packing.py)."""
+    return len(self._jits)
 
   def _batch_shardings(self, tree: Any) -> Any:
     return jax.tree.map(
@@ -487,6 +535,41 @@ class LogProbForward(_Compiled):
     if self.mesh is not None:
       rows = jax.device_put(rows, self._batch_shardings(rows))
     return self.jitted(params, rows, response_len, ref_params)(*weights, self.rest, *rows)
+
+  def packed(self, params: nnx.State, rows: PackedRows, ref_params: nnx.State | None = None
+             ) -> tuple[jax.Array, ...]:
+    """`__call__` over packed rows (optim.packing): ``(old, entropy[, ref])`` [C, R] in the
+    rows' sequence slots, in the ``rows.num_micro`` micro-batches the rows were packed for."""
+    weights = (params,) if ref_params is None else (params, ref_params)
+    if self.mesh is not None:
+      rows = jax.device_put(rows, self._batch_shardings(rows))
+    key = ("packed", jax.tree.structure(rows), tuple(x.shape for x in jax.tree.leaves(rows)),
+           ref_params is not None)
+    if key not in self._jits:
+      cfg = self.cfg
+      one = functools.partial(forward_packed_log_probs, self.graphdef,
+                              num_shards=rows.num_shards, temperature=cfg.temperature,
+                              chunk_size=cfg.logit_chunk_size, num_micro=rows.num_micro)
+
+      def fn(*args):
+        *ws, rest, pk = args
+        leaves = (pk.input_ids, pk.positions, pk.segment_ids, pk.token_index)
+        old, ent = one(ws[0], rest, *leaves)
+        if len(ws) == 1:
+          return old, ent
+        return old, ent, one(ws[1], rest, *leaves)[0]
+
+      if self.mesh is None:
+        self._jits[key] = jax.jit(self._traced(fn))
+      else:
+        out = shd.batch_sharding(self.mesh, self.rules, 2, rows.token_index.shape[0])
+        self._jits[key] = jax.jit(
+            self._traced(fn),
+            in_shardings=(*(shd.state_shardings(w, self.mesh, self.rules) for w in weights),
+                          shd.state_shardings(self.rest, self.mesh, self.rules),
+                          self._batch_shardings(rows)),
+            out_shardings=(out,) * (3 if ref_params is not None else 2))
+    return self._jits[key](*weights, self.rest, rows)
 
   def jitted(self, params: nnx.State, rows: tuple, response_len: int,
              ref_params: nnx.State | None = None):

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Sequence
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax.infra import distributed
 from dapo_jax.trainer import objective as obj
+from dapo_jax.trainer import packing
 from dapo_jax.data.records import MathRecord
 from dapo_jax.trainer.dynamic_sampling import Group
 from dapo_jax.trainer.train_step import TrainBatch
@@ -195,20 +197,42 @@ def compute_advantages(traj: Trajectories, norm_adv_by_std: bool = True) -> np.n
 
 def mini_batches(traj: Trajectories, adv: np.ndarray, old_logp: np.ndarray,
                  rows_per_update: int, mesh: Mesh | None, ref_logp: np.ndarray | None = None,
-                 with_sampler_logp: bool = False) -> Iterator[TrainBatch]:
+                 with_sampler_logp: bool = False,
+                 layouts: Sequence[packing.PackLayout] | None = None) -> Iterator[TrainBatch]:
   """Host rows -> device mini-batches (global arrays on several processes); ``ref_logp``: the
   KL reference's log-probs (use_kl_loss); ``with_sampler_logp``: the batches carry the
   sampler's log-probs (a rollout correction is on; otherwise the program does not take them).
-  On carried rows (keep_surplus) ``old_logp`` already is the sampler's, so their weight is 1."""
+  On carried rows (keep_surplus) ``old_logp`` already is the sampler's, so their weight is 1.
+  ``layouts`` (optim.packing, `packing.layouts`): each mini-batch packed as its layout says."""
   dev = lambda x: distributed.rows_on_device(x, mesh)
-  for s in range(0, traj.num_rows, rows_per_update):
+  for i, s in enumerate(range(0, traj.num_rows, rows_per_update)):
     sl = slice(s, s + rows_per_update)
+    if layouts is not None:
+      yield packed_batch(layouts[i], traj, sl, adv, old_logp, mesh, ref_logp, with_sampler_logp)
+      continue
     yield TrainBatch(
         input_ids=dev(traj.input_ids[sl]), attention_mask=dev(traj.attention_mask[sl]),
         response_mask=dev(traj.response_mask[sl]), old_log_probs=dev(old_logp[sl]),
         advantages=dev(adv[sl]), truncated=dev(traj.truncated[sl]),
         ref_log_probs=None if ref_logp is None else dev(ref_logp[sl]),
         sampler_log_probs=dev(traj.sampler_logprobs[sl]) if with_sampler_logp else None)
+
+
+def packed_batch(layout: packing.PackLayout, traj: Trajectories, sl: slice, adv: np.ndarray,
+                 old_logp: np.ndarray, mesh: Mesh | None, ref_logp: np.ndarray | None = None,
+                 with_sampler_logp: bool = False) -> TrainBatch:
+  """The mini-batch ``sl`` of ``traj`` as a packed TrainBatch (`packing`): its tokens in the
+  layout's packed rows, its per-token inputs in the layout's sequence slots."""
+  dev = lambda x: distributed.rows_on_device(x, mesh)
+  slots = lambda x, fill=0: dev(layout.to_slots(x[sl], fill))
+  rows = packing.packed_rows(layout, traj.input_ids[sl], traj.attention_mask[sl],
+                             traj.response_len)
+  return TrainBatch(
+      input_ids=None, attention_mask=None, response_mask=slots(traj.response_mask, False),
+      old_log_probs=slots(old_logp), advantages=slots(adv), truncated=slots(traj.truncated, False),
+      ref_log_probs=None if ref_logp is None else slots(ref_logp),
+      sampler_log_probs=slots(traj.sampler_logprobs) if with_sampler_logp else None,
+      packed=jax.tree.map(dev, rows))
 
 
 def rollout_metrics(traj: Trajectories, *, max_response_length: int, buffer_len: int
