@@ -30,6 +30,7 @@ from dapo_jax.models import abstract_model
 from dapo_jax.rollout.factory import make_rollout
 from dapo_jax.rollout.weights import RolloutWeights
 from dapo_jax.spec.run_spec import RunSpec
+from dapo_jax.trainer import packing
 from dapo_jax.trainer.train_step import LogProbForward
 
 
@@ -65,10 +66,12 @@ def sample_and_recompute(spec: RunSpec, params: nnx.State, records: Sequence[Mat
   attention_mask = np.concatenate([np.repeat(prompt_mask, n, axis=0).astype(bool),
                                    response_mask], axis=1)
   forward = LogProbForward(graphdef, spec.train_config(), mesh, rest=rest)
-  trainer_logp, _ = forward(params, input_ids.astype(np.int32), attention_mask,
-                            response_mask.shape[1])
-  return (np.asarray(out["logprobs"], np.float32),
-          np.asarray(jax.device_get(trainer_logp), np.float32), response_mask)
+  # The trainer's own forward: packed as its mini-batches are when optim.packing is on.
+  trainer_logp, _ = packing.forward_rows(
+      forward, params, input_ids.astype(np.int32), attention_mask, response_mask.shape[1], mesh,
+      packing.spec_layouts(spec, mesh, attention_mask))
+  return (np.asarray(out["logprobs"], np.float32), np.asarray(trainer_logp, np.float32),
+          response_mask)
 
 
 def measure(spec: RunSpec, params: nnx.State, records: Sequence[MathRecord],

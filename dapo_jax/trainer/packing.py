@@ -32,11 +32,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from dapo_jax.infra import distributed
 from dapo_jax.infra import sharding as shd
-from dapo_jax.trainer.train_step import PackedRows
+from dapo_jax.spec.run_spec import RunSpec
+from dapo_jax.trainer.train_step import LogProbForward, PackedRows
 
 # Bucket mantissas: a cell's row / sequence count is rounded up to m x 2^k with m in these (1,
 # 2, 3 below 4): at most 25% of padding rows, four sizes per octave.
@@ -254,3 +257,39 @@ def metrics(all_layouts: list[PackLayout], budget: int, padded_len: int) -> dict
   return {"packing/fill": real / max(packed, 1),
           "packing/positions_vs_padded": packed / max(seqs * padded_len, 1),
           "packing/seqs_per_row": seqs / max(rows, 1)}
+
+
+def spec_layouts(spec: RunSpec, mesh: Mesh | None, attention_mask_NxL: np.ndarray,
+                 rows_per_batch: int | None = None, num_micro: int | None = None
+                 ) -> list[PackLayout] | None:
+  """The run's layouts of these rows (optim.packing; None: padded), cut as the trainer's
+  mini-batches (``rows_per_batch``, default ``spec.sizes.rows_per_update``) for its
+  micro-batches (``num_micro``, default the update's)."""
+  if not spec.optim.packing:
+    return None
+  return layouts(attention_mask_NxL, rows_per_batch or spec.sizes.rows_per_update,
+                 spec.optim.max_tokens_per_row or spec.sizes.max_length, num_batch_shards(mesh),
+                 num_micro or spec.train_config().num_micro_batches)
+
+
+def forward_rows(logp_fn: LogProbForward, params: Any, input_ids_NxL: np.ndarray,
+                 attention_mask_NxL: np.ndarray, response_len: int, mesh: Mesh | None,
+                 layouts: list[PackLayout] | None = None, ref_params: Any = None
+                 ) -> tuple[np.ndarray, ...]:
+  """The training forward's ``(logp, entropy[, ref])`` [N, R] host arrays of ``params`` (and the
+  reference's) on host rows: padded, or with ``layouts`` batch by batch packed (consecutive
+  rows, as `layouts` cut them). The same on every process."""
+  dev = lambda x: distributed.rows_on_device(x, mesh)
+  if layouts is None:
+    out = logp_fn(params, dev(input_ids_NxL), dev(attention_mask_NxL), response_len,
+                  ref_params=ref_params)
+    return tuple(np.asarray(x) for x in distributed.global_to_host(out))
+  per_batch, start = [], 0
+  for lay in layouts:
+    sl = slice(start, start + lay.num_rows)
+    start += lay.num_rows
+    rows = packed_rows(lay, input_ids_NxL[sl], attention_mask_NxL[sl], response_len)
+    out = distributed.global_to_host(
+        logp_fn.packed(params, jax.tree.map(dev, rows), ref_params=ref_params))
+    per_batch.append(tuple(lay.unpack_rows(np.asarray(x)) for x in out))
+  return tuple(np.concatenate(parts) for parts in zip(*per_batch))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dapo_jax.data import arithmetic
 from dapo_jax.data.pipeline import PromptIterator
+from dapo_jax.trainer import packing
 from dapo_jax.trainer.generation import render_batch
 from dapo_jax.spec.run_spec import RunSpec
 from dapo_jax.trainer.train_step import LogProbForward, TrainBatch, TrainStep, init_train_state
@@ -58,11 +59,22 @@ def warm_start(spec: RunSpec, graphdef, state, tokenizer, records, mesh):
     batch = next(it)
     ids, attn, resp_mask = reference_batch(batch, tokenizer, spec.data.max_prompt_length,
                                            spec.rollout.max_response_length)
-    ids, attn, resp_mask = jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(resp_mask)
-    old, _ = logp_fn(sft_state.params, ids, attn, resp_mask.shape[1])
-    sft_state, m = step_fn(sft_state, TrainBatch(
-        input_ids=ids, attention_mask=attn, response_mask=resp_mask, old_log_probs=old,
-        advantages=jnp.ones((rows,), jnp.float32)), i)
+    # optim.packing: the warm start packs its batch as the RL update does.
+    layouts = packing.spec_layouts(spec, mesh, attn, rows, tcfg.num_micro_batches)
+    old, _ = packing.forward_rows(logp_fn, sft_state.params, ids, attn, resp_mask.shape[1],
+                                  mesh, layouts)
+    adv = np.ones((rows,), np.float32)
+    if layouts is None:
+      train_batch = TrainBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(attn),
+                               response_mask=jnp.asarray(resp_mask),
+                               old_log_probs=jnp.asarray(old), advantages=jnp.asarray(adv))
+    else:
+      lay = layouts[0]
+      train_batch = TrainBatch(
+          input_ids=None, attention_mask=None, response_mask=lay.to_slots(resp_mask, False),
+          old_log_probs=lay.to_slots(old), advantages=lay.to_slots(adv),
+          packed=packing.packed_rows(lay, ids, attn, resp_mask.shape[1]))
+    sft_state, m = step_fn(sft_state, train_batch, i)
     if i == 0 or (i + 1) % 50 == 0 or i + 1 == s.steps:
       last_nll = -float((old * resp_mask).sum() / resp_mask.sum())
       first_nll = last_nll if i == 0 else first_nll

@@ -417,12 +417,7 @@ def _pack(spec: RunSpec, run: run_setup.Run, traj: Trajectories
           ) -> list[packing.PackLayout] | None:
   """Each mini-batch's packed layout (optim.packing), for the old log-probs, the reference and
   the update alike; None: the padded rows."""
-  o = spec.optim
-  if not o.packing:
-    return None
-  return packing.layouts(traj.attention_mask, spec.sizes.rows_per_update,
-                         o.max_tokens_per_row or spec.sizes.max_length,
-                         packing.num_batch_shards(run.mesh), run.train_config.num_micro_batches)
+  return packing.spec_layouts(spec, run.mesh, traj.attention_mask)
 
 
 def _packing_metrics(spec: RunSpec, run: run_setup.Run,
@@ -439,24 +434,8 @@ def _packing_metrics(spec: RunSpec, run: run_setup.Run,
 
 def _forward(run: run_setup.Run, params, traj: Trajectories, ref_params=None,
              layouts: list[packing.PackLayout] | None = None) -> tuple[np.ndarray, ...]:
-  """The training forward's ``(logp, entropy[, ref])`` [N, R] host arrays of ``params`` (and
-  the reference's), on the padded rows or, with ``layouts``, mini-batch by mini-batch packed
-  (consecutive rows, as `_pack` cut them)."""
-  if layouts is None:
-    rows = (distributed.rows_on_device(traj.input_ids, run.mesh),
-            distributed.rows_on_device(traj.attention_mask, run.mesh), traj.response_len)
-    return tuple(np.asarray(x) for x in distributed.global_to_host(
-        run.logp_fn(params, *rows, ref_params=ref_params)))
-  per_batch, start = [], 0
-  for lay in layouts:
-    sl = slice(start, start + lay.num_rows)
-    start += lay.num_rows
-    rows = packing.packed_rows(lay, traj.input_ids[sl], traj.attention_mask[sl],
-                               traj.response_len)
-    rows = jax.tree.map(lambda x: distributed.rows_on_device(x, run.mesh), rows)
-    out = distributed.global_to_host(run.logp_fn.packed(params, rows, ref_params=ref_params))
-    per_batch.append(tuple(lay.unpack_rows(np.asarray(x)) for x in out))
-  return tuple(np.concatenate(parts) for parts in zip(*per_batch))
+  return packing.forward_rows(run.logp_fn, params, traj.input_ids, traj.attention_mask,
+                              traj.response_len, run.mesh, layouts, ref_params)
 
 
 def _old_log_probs(rollout: RolloutSpec, run: run_setup.Run, state: TrainState, traj: Trajectories,
