@@ -37,12 +37,13 @@ def _rows(rng, b=B, p=P, r=R):
 # --- the packer -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget,shards,micro", [(18, 1, 1), (18, 2, 2), (40, 4, 1), (64, 2, 4)])
-def test_the_packer_keeps_every_sequence_whole_within_the_budget_and_balanced(budget, shards,
-                                                                              micro):
+@pytest.mark.parametrize("budget,shards,rows_per_micro", [(18, 1, 1), (18, 2, 2), (40, 4, 1),
+                                                          (64, 2, 4), (30, 1, 100)])
+def test_the_packer_keeps_every_sequence_whole_within_the_budget_and_balanced(
+    budget, shards, rows_per_micro):
   rng = np.random.RandomState(budget + shards)
   ids, attn = _rows(rng, b=24)
-  lay = packing.pack_layout(attn, budget, shards, micro)
+  lay = packing.pack_layout(attn, budget, shards, rows_per_micro)
   tok = lay.pack_tokens(ids, attn)
   lengths = attn.sum(1)
   live = lay.source >= 0
@@ -57,25 +58,36 @@ def test_the_packer_keeps_every_sequence_whole_within_the_budget_and_balanced(bu
   # Nothing overlaps: a packed row's real tokens are the lengths of the sequences in it.
   assert (tok["segment_ids"] > 0).sum() == lengths.sum() == lay.real_tokens
   assert tok["input_ids"].shape == (lay.num_packed_rows, budget)
-  # The same rows and slots in every (shard, micro-batch) cell; sequences stay in their cell.
-  rows_per_shard = lay.num_packed_rows // shards
+  # A micro-batch has at most rows_per_micro rows a shard; no more micro-batches than needed.
+  n, r = lay.num_micro, lay.rows_per_cell
+  assert r <= rows_per_micro and lay.num_packed_rows == shards * n * r
+  used = {}
+  for q in np.flatnonzero(live):
+    used[lay.pack_row[q]] = used.get(lay.pack_row[q], 0) + lay.length[q]
+  rows_per_shard = n * r
+  most = max(sum(1 for row in used if row // rows_per_shard == s) for s in range(shards))
+  assert n == packing.bucket(-(-most // rows_per_micro))
+  # Slots and rows of one (shard, micro-batch) cell: sequences stay in their cell.
   slots_per_shard = lay.num_slots // shards
   for q in np.flatnonzero(live):
-    cell_of_slot = divmod(q, slots_per_shard)[0], q % micro
     row = lay.pack_row[q]
-    assert cell_of_slot == (row // rows_per_shard, row % micro)
+    assert (q // slots_per_shard, q % n) == (row // rows_per_shard, row % n)
   # Balanced: the shards' real-token counts differ by at most one sequence's length.
   per_shard = [(tok["segment_ids"][s * rows_per_shard:(s + 1) * rows_per_shard] > 0).sum()
                for s in range(shards)]
   assert max(per_shard) - min(per_shard) <= lengths.max()
-  # First-fit decreasing within a cell: no two of its packed rows could have been merged.
-  used = {}
-  for q in np.flatnonzero(live):
-    used[lay.pack_row[q]] = used.get(lay.pack_row[q], 0) + lay.length[q]
-  for cell in range(shards * micro):
-    fill = sorted(v for row, v in used.items()
-                  if (row // rows_per_shard) * micro + row % micro == cell)
+  # First-fit decreasing within a shard: no two of its packed rows could have been merged.
+  for s in range(shards):
+    fill = sorted(v for row, v in used.items() if row // rows_per_shard == s)
     assert len(fill) < 2 or fill[0] + fill[1] > budget
+
+
+def test_micro_batches_hold_a_padded_micro_batchs_tokens():
+  """A micro-batch of 8 padded rows of 100 over 2 shards holds 400 tokens a shard: 2 rows of
+  200, or 1 of 300."""
+  assert packing.rows_per_micro(8, 100, 200, 2) == 2
+  assert packing.rows_per_micro(8, 100, 300, 2) == 1
+  assert packing.rows_per_micro(1, 100, 100, 4) == 1
 
 
 def test_a_sequence_longer_than_the_budget_gets_one_line():
@@ -97,6 +109,7 @@ def test_slots_round_trip():
   rng = np.random.RandomState(1)
   _, attn = _rows(rng)
   lay = packing.pack_layout(attn, 30, 2, 2)
+  assert lay.num_micro > 1
   x = rng.normal(size=(B, R)).astype(np.float32)
   np.testing.assert_array_equal(lay.unpack_rows(lay.to_slots(x)), x)
   assert (lay.to_slots(x)[lay.source < 0] == 0).all()
@@ -154,7 +167,7 @@ def _grads(setup, batch, **overrides):
 
 def test_packed_old_log_probs_equal_the_padded_forward(setup):
   lay = packing.pack_layout(setup["host"]["attn"], 24, 1, 2)
-  assert lay.num_packed_rows < B  # several sequences a row
+  assert lay.num_packed_rows < B and lay.num_micro > 1  # several sequences a row
   rows = packing.packed_rows(lay, setup["host"]["ids"], setup["host"]["attn"], R)
   logp, ent = setup["fwd"].packed(setup["state"].params, rows)
   got = lay.unpack_rows(np.asarray(logp))
@@ -174,7 +187,8 @@ def test_packed_loss_and_gradients_equal_the_padded_path_in_every_mode(setup, mo
   kw = dict(loss_agg_mode=mode, num_micro_batches=2, use_kl_loss=True, entropy_coeff=0.01,
             overlong_filter=True, rollout_is="sequence_mask", rollout_is_band=(0.05, 20.0))
   g_pad, m_pad = _grads(setup, _padded_batch(h), **kw)
-  lay = packing.pack_layout(h["attn"], 24, 1, 2)
+  lay = packing.pack_layout(h["attn"], 24, 1, 4)
+  assert lay.num_micro > 1
   g_pk, m_pk = _grads(setup, _packed_batch(h, lay), **kw)
   assert m_pad["rollout_is_weight"] < 1.0  # some sequences left the loss
   for k in m_pad:
@@ -204,7 +218,8 @@ def test_packed_step_sharded_over_8_devices_equals_the_padded_step(setup, axes):
 
   mesh = shd.make_mesh(axes)
   shards = packing.num_batch_shards(mesh)
-  lay = packing.pack_layout(h["attn"], 24, shards, 2)
+  lay = packing.pack_layout(h["attn"], 24, shards, 1)
+  assert lay.num_micro > 1 or shards == 8  # 8 shards: two sequences a shard, one row
   step = ts.TrainStep(setup["graphdef"], cfg, mesh)
   state = jax.tree.map(jnp.asarray, setup["state"])
   state = jax.device_put(state, shd.state_shardings(state, mesh, shd.TRAIN_RULES))

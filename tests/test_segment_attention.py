@@ -3,6 +3,8 @@ skips the blocks across segments, counted, and equals the dense segment mask (in
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +105,30 @@ def test_skipped_blocks_are_never_read(poisoned_block):
         np.testing.assert_array_equal(rows, clean[b, i * BLOCK:(i + 1) * BLOCK])
         checked += 1
   assert checked >= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]')")
+def test_packed_splash_compiles_for_tpu_forward_and_backward():
+  """libtpu's Mosaic compiler takes the kernel with per-row block maps (a loop of kernel calls
+  over the rows, as Pallas batches scalar-prefetched maps), forward and gradients, at a packed
+  row of 4,096 tokens and Qwen-like heads (bf16)."""
+  from dapo_jax.planner import targets as plan_targets  # pylint: disable=g-import-not-at-top
+  plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1")
+  device = plan_targets.tpu_devices("v5p:2x2x1")[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  b, t, h, kh, e = 2, 4096, 8, 2, 128
+
+  def loss(q, k, v, seg):
+    mask = attention.causal_mask(seg > 0, seg)
+    return jnp.sum(attention.dot_product_attention(q, k, v, mask, impl="splash")
+                   .astype(jnp.float32))
+
+  mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+  with attention.compile_for("tpu"), jax.set_mesh(mesh):
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+        spec((b, t, h, e), jnp.bfloat16), spec((b, t, kh, e), jnp.bfloat16),
+        spec((b, t, kh, e), jnp.bfloat16), spec((b, t), jnp.int32))
+    compiled = lowered.compile()  # raises if Mosaic rejects the kernel
+  assert "tpu_custom_call" in compiled.as_text()

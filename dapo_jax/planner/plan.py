@@ -41,6 +41,7 @@ from dapo_jax.models import Qwen2Config, attention
 from dapo_jax.planner import gpu_targets
 from dapo_jax.planner import plan_estimates as est
 from dapo_jax.planner import plan_overlap
+from dapo_jax.planner import plan_packing
 from dapo_jax.planner import plan_paged
 from dapo_jax.planner import plan_split
 from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout, reported,
@@ -115,6 +116,13 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
   if estimate is None:  # GPU: XLA's cost analysis of a GPU program is empty (`GPU_COST_NOTE`)
     estimate = target.chip is not None and target.kind != "gpu"
   mcfg = plan_model_config(spec.model, spec.tokenizer)
+  # optim.packing: one mini-batch of the plan's length mix as the trainer packs it; the
+  # attention the packed kernel executes (TPU splash: the blocks it does not skip).
+  impl = attention.resolve_impl(spec.model.attention_impl, platform=target.kind,
+                                dtype=mcfg.jnp_dtype, head_dim=mcfg.dim_per_head,
+                                seq_len=spec.optim.max_tokens_per_row or spec.sizes.max_length)
+  packed = plan_packing.packed_shape(spec, plan_packing.num_batch_shards(spec, target.num_devices),
+                                     splash=impl == "splash")
   plan: dict[str, Any] = {
       "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
       "hbm_bytes": target.hbm_bytes, "model_params": mcfg.num_params(),
@@ -122,13 +130,13 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
       "rollout_mesh": [list(a) for a in (spec.rollout_mesh or spec.mesh)],
       "micro_batch_size": spec.optim.micro_batch_size, "remat": spec.model.remat,
       "prompts_per_call": spec.sizes.prompts_per_call,
-      "flops_analytic": est.step_flops(spec, mcfg)}
+      "flops_analytic": est.step_flops(spec, mcfg, packed), "packing": packed}
   plan["warnings"] = est.layout_warnings(spec, mcfg, target.num_devices)
   if target.analytic:
     plan["method"] = ("analytic estimate (no compiler for this target on this host"
                       + (f": {target.why_analytic})" if target.why_analytic else ")"))
     plan.update(est.analytic_memory(spec, mcfg, target.num_devices,
-                                    spec.train_config().master_dtype))
+                                    spec.train_config().master_dtype, packed))
   else:
     plan["method"] = f"compiled ahead of time for {target.num_devices} {target.kind} devices"
     if target.kind == "gpu":  # what the compiles assumed, for the launchers to match
@@ -185,7 +193,7 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
   if estimate and target.chip is not None and not target.analytic:
     plan["uncounted_flops"] = est.uncounted_flops(
         spec, mcfg, target.num_devices, splash=plan["attention"] == "splash",
-        logit_chunk_size=spec.train_config().logit_chunk_size)
+        logit_chunk_size=spec.train_config().logit_chunk_size, packed=packed)
     plan["estimate"] = est.step_estimate(spec, plan, target.chip)
   if target.kind == "gpu" and target.chip is not None:
     plan["gpu_compute_floor"] = gpu_compute_floor(plan, target)

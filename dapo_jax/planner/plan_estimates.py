@@ -129,7 +129,8 @@ def _cost(part: dict[str, Any]) -> Cost:
 
 
 def uncounted_flops(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, splash: bool,
-                    logit_chunk_size: int) -> dict[str, float]:
+                    logit_chunk_size: int, packed: dict[str, Any] | None = None
+                    ) -> dict[str, float]:
   """Per-device FLOPs of one run of a program's loop body that XLA's cost analysis misses,
   added by the estimate:
 
@@ -141,6 +142,10 @@ def uncounted_flops(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, splash: 
   * with ``splash`` (the Pallas kernel on TPU, opaque to the cost analysis) the attention:
     causal blocks, half the [T, T] scores, forward 2 x heads x head_dim x T^2 per row and
     layer; the update counts it 3x (x4/3 with rematerialisation), as ``step_flops``.
+
+  ``packed`` (`plan_packing.packed_shape`, optim.packing): a micro-batch body is one packed
+  micro-batch: the head's chunks run over each packed row's positions, and the packed kernel's
+  attention is the query-key pairs of the blocks it computes.
   """
   p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
   per_row_layer = 2.0 * mcfg.num_attention_heads * mcfg.dim_per_head / num_devices
@@ -155,6 +160,16 @@ def uncounted_flops(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, splash: 
   log_rows = spec.sizes.rows_per_step
   log_micro = micro if 0 < micro < log_rows else log_rows
   head_passes = 3 if spec.model.lora.rank > 0 else 4
+  if packed is not None:
+    rows_micro = packed["packed_rows"] / packed["num_micro"]
+    length = packed["budget"]
+    chunks = -(-length // chunk) if 0 < chunk < length else 1
+    head_p = rows_micro * (chunks - 1) * chunk * 2.0 * mcfg.vocab_size * mcfg.hidden_size \
+        / num_devices
+    attn_p = (2.0 * per_row_layer * mcfg.num_hidden_layers * packed["attention_pairs"]
+              / packed["num_micro"]) if splash else 0.0
+    return {"train": 3 * remat * attn_p + head_passes * head_p, "logprob": attn_p + head_p,
+            "prefill": attention(spec.sizes.prompts_per_call, p)}
   return {"train": 3 * remat * attention(micro, p + r) + head_passes * head(micro),
           "logprob": attention(log_micro, p + r) + head(log_micro),
           "prefill": attention(spec.sizes.prompts_per_call, p)}
@@ -369,7 +384,8 @@ def lora_rollout_bytes(spec: RunSpec, mcfg: Qwen2Config, num_devices: int, rollo
           "resident": 0 if same else rollout_params}
 
 
-def step_flops(spec: RunSpec, mcfg: Qwen2Config) -> dict[str, float]:
+def step_flops(spec: RunSpec, mcfg: Qwen2Config, packed: dict[str, Any] | None = None
+               ) -> dict[str, float]:
   """FLOPs of one RL step over all devices: one generation batch (dynamic sampling may draw
   more), the old-log-prob forward and the updates (with full rematerialisation, one more
   forward per update).
@@ -378,7 +394,12 @@ def step_flops(spec: RunSpec, mcfg: Qwen2Config) -> dict[str, float]:
   update is the forward, the activation gradients (1x the frozen matmuls, 2x the attention) and
   the adapters' both gradients (2x their forward, ``(x @ A) @ B``: 2 FLOPs per adapter parameter
   and token). The rollout runs the merged weights (no adapter FLOPs); ``merge`` is the step's
-  ``A @ B`` per adapted kernel."""
+  ``A @ B`` per adapted kernel.
+
+  ``packed`` (`plan_packing.packed_shape`, optim.packing): the trainer's forwards run the packed
+  rows' positions (the log-prob head on all of them) and the attention the packed kernel
+  executes (``attention_pairs``); ``attention_full_square`` then says 0 (see
+  `plan_overlap.training_seconds`)."""
   lcfg = lora.LoRAConfig.from_config(spec.model.lora)
   n_adapter, n_adapted = adapter_sizes(mcfg, lcfg)
   n_mm = _matmul_params(mcfg)
@@ -390,9 +411,17 @@ def step_flops(spec: RunSpec, mcfg: Qwen2Config) -> dict[str, float]:
   rows = spec.sizes.rows_per_step
   # The log-prob head (vocab x hidden) runs on the R response positions only (logprobs.py).
   head = mcfg.vocab_size * mcfg.hidden_size
-  weights = rows * (t * 2 * (n_mm - head) + r * 2 * head)  # the base's matmuls
-  attn = rows * t * _attn_flops_per_token(mcfg, t)
-  adapters = rows * t * 2 * n_adapter
+  if packed is None:
+    weights = rows * (t * 2 * (n_mm - head) + r * 2 * head)  # the base's matmuls
+    attn = full_square = rows * t * _attn_flops_per_token(mcfg, t)
+    adapters = rows * t * 2 * n_adapter
+  else:  # every packed position runs every matmul, the head included
+    batches = rows / packed["rows"]
+    positions = packed["packed_rows"] * packed["budget"] * batches
+    weights = positions * 2 * n_mm
+    attn, full_square = 4.0 * mcfg.num_hidden_layers * mcfg.num_attention_heads * \
+        mcfg.dim_per_head * packed["attention_pairs"] * batches, 0.0
+    adapters = positions * 2 * n_adapter
   fwd = weights + attn + adapters
   # What MFU counts (no recomputation): forward + backward, the base's weight gradients only
   # when it trains.
@@ -403,7 +432,7 @@ def step_flops(spec: RunSpec, mcfg: Qwen2Config) -> dict[str, float]:
   merge = 2.0 * lcfg.rank * n_adapted
   return {"rollout": rollout, "logprob": logprob, "train": train, "merge": merge,
           "total": rollout + logprob + train + merge, "update_model": update_model,
-          "adapter_params": n_adapter}
+          "adapter_params": n_adapter, "attention_full_square": full_square}
 
 
 def layout_warnings(spec: RunSpec, mcfg: Qwen2Config, num_devices: int) -> list[str]:
@@ -435,13 +464,15 @@ def layout_warnings(spec: RunSpec, mcfg: Qwen2Config, num_devices: int) -> list[
 
 
 def analytic_memory(spec: RunSpec, mcfg: Qwen2Config, num_devices: int,
-                    master_dtype: str = "float32") -> dict[str, Any]:
+                    master_dtype: str = "float32", packed: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
   """Per-device bytes in the shape ``plan.make_plan`` reports for compiled targets.
 
   Parameters, optimizer state and KV cache are exact up to indivisible dimensions. Train-step
   temporaries with rematerialisation use the per-token rate fitted to TPU compiles
   (``REMAT_BYTES_BY_FSDP``); without it, every layer's activations. With LoRA the trained
   parameters (and their gradients) are the adapters; the base is held once, frozen, in its dtype.
+  ``packed`` (optim.packing): a micro-batch's activations are its packed rows' on a shard.
   """
   train, roll = _mesh_sizes(spec, num_devices)
   tp, rtp = train.get("tensor", 1), roll.get("tensor", 1)
@@ -461,14 +492,23 @@ def analytic_memory(spec: RunSpec, mcfg: Qwen2Config, num_devices: int,
   rows = spec.sizes.rows_per_update
   micro = _split(min(spec.optim.micro_batch_size, rows), ways)
   d, f, layers = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
+  if packed is not None:  # rows of the micro-batch on a shard, and their length
+    micro, t_row = packed["rows_per_cell"], packed["budget"]
+  else:
+    t_row = t
   if spec.model.remat != "none":
-    saved = micro * t * layers * d * remat_bytes_per_token_layer_unit(train.get("fsdp", 1))
+    saved = micro * t_row * layers * d * remat_bytes_per_token_layer_unit(train.get("fsdp", 1))
   else:  # every layer keeps its activations, attention scores included (fp32)
     heads = _split(mcfg.num_attention_heads, tp)
-    saved = layers * micro * (t * (6 * d + 3 * _split(f, tp)) * ab + 3 * heads * t * t * 4)
+    saved = layers * micro * (t_row * (6 * d + 3 * _split(f, tp)) * ab
+                              + 3 * heads * t_row * t_row * 4)
   # fp32 gradient accumulators + the forward's copy in the model's dtype
   grads = trained * 4 // shards + trained * pb // shards
-  batch = _split(rows, ways) * (t * 5 + r * 5 + 5)
+  if packed is not None:  # ids, positions, segments a packed position; index, mask, inputs a slot
+    batch = (packed["packed_rows"] * packed["budget"] * 12
+             + packed["slots"] * (r * 13 + 5)) // ways
+  else:
+    batch = _split(rows, ways) * (t * 5 + r * 5 + 5)
   activations = int(saved) + grads
   train_parts = {"params": params, "opt_state": opt_state, "frozen_base": frozen, "batch": batch,
                  "activations_and_temp": activations}

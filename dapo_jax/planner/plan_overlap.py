@@ -105,13 +105,12 @@ def training_seconds(spec: RunSpec, mcfg: Qwen2Config, chip: est.Chip, num_devic
   (``plan["estimate"]``) where it has both phases, else the closed form (the FLOPs the chips
   run at peak: attention at its causal half, the rematerialised forward counted)."""
   phases = (plan or {}).get("estimate", {}).get("phases", {})
-  f = est.step_flops(spec, mcfg)
+  f = est.step_flops(spec, mcfg, (plan or {}).get("packing"))
   if "update" in phases and ("old_logprob" in phases or not f["logprob"]):
     return {"basis": "compiled roofline (plan estimate)",
             "old_logprob": phases.get("old_logprob", {}).get("seconds", 0.0),
             "update": phases["update"]["seconds"]}
-  rows, t = spec.sizes.rows_per_step, spec.sizes.max_length
-  half = rows * t * est._attn_flops_per_token(mcfg, t) / 2  # pylint: disable=protected-access
+  half = f["attention_full_square"] / 2  # packed: the executed attention, nothing to halve
   remat = 1 if spec.model.remat != "none" else 0
   logprob = max(f["logprob"] - half, 0.0) if f["logprob"] else 0.0
   update = f["train"] - half * (3 + remat) * spec.optim.ppo_epochs
@@ -125,7 +124,7 @@ def _train_bytes(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any]) -> dict
   train = plan["train"]
   if "peak" not in train or "state_bytes" not in train:
     train = est.analytic_memory(spec, mcfg, plan["num_devices"],
-                                spec.train_config().master_dtype)["train"]
+                                spec.train_config().master_dtype, plan.get("packing"))["train"]
   sizes = est.mesh_sizes(spec.mesh, plan["num_devices"])
   shards = sizes.get("fsdp", 1) * sizes.get("tensor", 1)
   n_adapter, _ = est.adapter_sizes(mcfg, lora.LoRAConfig.from_config(spec.model.lora))
@@ -183,7 +182,7 @@ def estimate(spec: RunSpec, mcfg: Qwen2Config, plan: dict[str, Any], chip: est.C
   mfu_pub, mfu_source = PUBLISHED_MFU.get(generation, (None, None))
   save_every = spec.checkpoint.save_every
   tr = training_seconds(spec, mcfg, chip, n, plan)
-  model_flops = est.step_flops(spec, mcfg)["update_model"]
+  model_flops = est.step_flops(spec, mcfg, plan.get("packing"))["update_model"]
   update_pub = model_flops / (mfu_pub * n * chip.flops_per_s) if mfu_pub else None
   budget = spec.rollout.max_response_length
   best_n = _rollout(plan["paged_estimate"], mcfg, chip, budget)

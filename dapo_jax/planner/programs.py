@@ -22,13 +22,14 @@ from dapo_jax.infra import sharding as shd
 from dapo_jax.models import Qwen2Config, abstract_model, default_positions, get_preset, lora
 from dapo_jax.models.qwen2 import Qwen2ForCausalLM
 from dapo_jax.planner import plan_estimates as est
+from dapo_jax.planner import plan_packing
 from dapo_jax.rollout import slots as sl
 from dapo_jax.rollout.sampler import Sampler
 from dapo_jax.rollout.sampling import SamplingParams, sample_logits
 from dapo_jax.spec.run_spec import ModelSpec, RolloutSpec, RunSpec, TokenizerSpec
-from dapo_jax.trainer import run_setup
-from dapo_jax.trainer.train_step import (LogProbForward, TrainBatch, TrainState, TrainStep,
-                                         make_optimizer, master_params)
+from dapo_jax.trainer import packing, run_setup
+from dapo_jax.trainer.train_step import (LogProbForward, PackedRows, TrainBatch, TrainState,
+                                         TrainStep, make_optimizer, master_params)
 
 
 class _VocabOnly:
@@ -156,23 +157,43 @@ def _train_program(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh):
   rows = spec.sizes.rows_per_update
   p, r = spec.data.max_prompt_length, spec.rollout.max_response_length
   sds = jax.ShapeDtypeStruct
+  packed = packed_rows_abstract(spec, mesh)
+  if packed is not None:  # optim.packing: the plan's mix packed, in sequence slots
+    rows = packed.token_index.shape[0]
   # Only the fields the loss reads: jit drops unused inputs from the compiled program.
-  batch = TrainBatch(input_ids=sds((rows, p + r), jnp.int32),
-                     attention_mask=sds((rows, p + r), jnp.bool_),
+  batch = TrainBatch(input_ids=None if packed else sds((rows, p + r), jnp.int32),
+                     attention_mask=None if packed else sds((rows, p + r), jnp.bool_),
                      response_mask=sds((rows, r), jnp.bool_),
                      old_log_probs=sds((rows, r), jnp.float32),
                      advantages=sds((rows,), jnp.float32),
                      truncated=sds((rows,), jnp.bool_) if tcfg.overlong_filter else None,
                      sampler_log_probs=(sds((rows, r), jnp.float32)
-                                        if tcfg.rollout_is != "none" else None))
+                                        if tcfg.rollout_is != "none" else None),
+                     packed=packed)
+  if packed is not None:
+    tcfg = tcfg.replace(num_micro_batches=packed.num_micro)
   return TrainStep(graphdef, tcfg, mesh).lower(state, batch), state, batch, tcfg
+
+
+def packed_rows_abstract(spec: RunSpec, mesh: Mesh) -> PackedRows | None:
+  """Abstract `PackedRows` of one mini-batch of the plan's length mix (`plan_packing`), packed
+  for the mesh's batch shards; None when the run does not pack."""
+  shape = plan_packing.packed_shape(spec, packing.num_batch_shards(mesh), splash=False)
+  if shape is None:
+    return None
+  sds = jax.ShapeDtypeStruct
+  tokens = sds((shape["packed_rows"], shape["budget"]), jnp.int32)
+  return PackedRows(input_ids=tokens, positions=tokens, segment_ids=tokens,
+                    token_index=sds((shape["slots"], spec.rollout.max_response_length),
+                                    jnp.int32),
+                    num_shards=shape["num_shards"], num_micro=shape["num_micro"])
 
 
 def compile_train_step(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, Any]:
   """AOT-compiles one optimizer update on a mini-batch; memory split by what holds it."""
   lowered, state, batch, tcfg = _train_program(spec, mcfg, mesh)
   params, opt_state = state.params, state.opt_state
-  rows = batch.input_ids.shape[0]
+  rows = batch.response_mask.shape[0]  # trajectories (packed: sequence slots)
   compiled, oom, seconds = _compile(lowered)
   sh = shd.state_shardings(state, mesh, shd.TRAIN_RULES)
   batch_sh = jax.tree.map(lambda x: shd.batch_sharding(mesh, shd.TRAIN_RULES, x.ndim, x.shape[0]),
@@ -249,6 +270,11 @@ def compile_logprob(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str, A
   ids = jax.ShapeDtypeStruct((rows, t), jnp.int32)
   mask = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
   forward = LogProbForward(graphdef, tcfg, mesh, rest=rest)
+  packed = packed_rows_abstract(spec, mesh)
+  if packed is not None:  # one mini-batch's packed forward, once per mini-batch of the step
+    loops = packed.num_micro * (spec.sizes.rows_per_step // spec.sizes.rows_per_update)
+    return _lower_and_cost(forward.lower_packed(params, packed)) | {
+        "rows": packed.input_ids.shape[0], "loop_runs": loops}
   micro = tcfg.forward_micro_batch_size
   loops = rows // micro if 0 < micro < rows else 1
   return _lower_and_cost(forward.lower(params, ids, mask, r)) | {"rows": rows,

@@ -55,6 +55,17 @@ def format_plan(plan: dict[str, Any]) -> str:
   verdict = ("unknown capacity" if cap is None else
              f"{'FITS' if plan['fits'] else 'DOES NOT FIT'} in {cap / GiB:.1f} GiB")
   lines.append(f"  peak {g(plan['peak_bytes'])} per device: {verdict}")
+  pk = plan.get("packing")
+  if pk:  # optim.packing, at the plan's length mix (plan_packing)
+    lines.append(
+        f"  packing: a mini-batch of {pk['rows']} sequences (prompts ~{pk['mean_prompt_tokens']} "
+        f"tokens, responses as the rollout estimate) in {pk['packed_rows']} rows of "
+        f"{pk['budget']} ({pk['num_micro']} micro-batches x {pk['rows_per_cell']} rows a shard), "
+        f"fill {100 * pk['fill']:.0f}%, {pk['positions_vs_padded']:.2f}x the padded positions; "
+        f"attention {pk['attention_pairs'] / max(pk['attention_pairs_own_squares'], 1):.2f}x the "
+        f"sequences' own causal squares"
+        + (f" (blocks of {pk['attention_block']} skipped across segments)"
+           if pk["attention_block"] else " (the packed rows' whole squares)"))
   f = plan["flops_analytic"]
   lora_part = (f", adapter merge {f['merge']:.3e} (LoRA: {f['adapter_params'] / 1e6:,.1f}M "
                f"adapter params, no base weight gradients)" if f.get("adapter_params") else "")

@@ -3,18 +3,20 @@ rows go into fixed-length rows of ``optim.max_tokens_per_row`` tokens, each sequ
 its own whose positions restart at 0, so the old log-probs, the KL reference and the update
 compute on the tokens that exist instead of P + R padded positions a row.
 
-    layout = pack_layout(traj.attention_mask[sl], budget, num_shards, num_micro)
+    layout = pack_layout(traj.attention_mask[sl], budget, num_shards, rows_per_micro)
     rows = packed_rows(layout, traj.input_ids[sl], traj.attention_mask[sl], R)  # PackedRows
-    slots_CpxR = layout.to_slots(old_logp[sl])        # a row-layout input, in sequence slots
-    old_NxR = layout.unpack_rows(out_CpxR)  # a forward's output, back in the row layout
+    slots_CpxR = layout.to_slots(old_logp[sl])  # a row-layout input, in sequence slots
+    old_NxR = layout.unpack_rows(out_CpxR)      # a forward's output, back in the row layout
 
-Layout. The mini-batch is cut into ``num_shards x num_micro`` cells: one per data shard of the
-mesh and micro-batch of the update. Sequences go to the cells longest first, each to the cell
-with the fewest tokens (so shards and micro-batches differ by at most one sequence's tokens),
-and are packed first-fit decreasing into rows of the budget within their cell. Every
-cell then has ``r`` packed rows and ``c`` sequence slots, both rounded up to a bucket
-(`bucket`): the count of distinct compiled programs is the count of distinct (r, c) pairs a
-run meets, a few per octave of batch size.
+Layout. Sequences go to the mesh's batch shards most tokens first, each to the shard with the
+fewest (shards differ by at most one sequence's tokens), and are packed first-fit decreasing
+into rows of the budget within their shard. The rows then form micro-batches of at most
+``rows_per_micro`` rows a shard: the tokens a padded micro-batch holds (`rows_per_micro`), so
+memory stays what the padded update needs while the count of micro-batches falls with the
+tokens (a token-budget micro-batch, as verl's dynamic batch size). Each (shard, micro-batch)
+cell has ``r`` packed rows and ``c`` sequence slots; the micro-batch count n, r and c are
+rounded up to a bucket (`bucket`: four sizes an octave), so the distinct compiled programs are
+the distinct (n, r, c) a run meets: a handful (logged as packing/train_programs).
 
 The per-token inputs of the loss (mask, old log-probs, advantages, ...) stay in the row layout,
 ``[Cp, R]`` with Cp = shards x micro x c: the loss code is the padded path's, on rows that are
@@ -155,38 +157,12 @@ class PackLayout:
     return out
 
 
-def pack_layout(attention_mask_NxL: np.ndarray, budget: int, num_shards: int = 1,
-                num_micro: int = 1) -> PackLayout:
-  """Packs the mini-batch whose rows have ``attention_mask`` (real tokens) into rows of
-  ``budget`` tokens over ``num_shards x num_micro`` cells (see the module docstring).
-
-  Raises SequenceTooLongError naming the row when a sequence is longer than the budget.
-  """
-  lengths = np.asarray(attention_mask_NxL, bool).sum(axis=1).astype(np.int64)
-  if budget < 1 or num_shards < 1 or num_micro < 1:
-    raise ValueError(f"budget={budget}, num_shards={num_shards}, num_micro={num_micro}: all "
-                     f"must be >= 1.")
-  if lengths.size and lengths.max() > budget:
-    n = int(lengths.argmax())
-    raise SequenceTooLongError(
-        f"Row {n} has {int(lengths[n])} tokens, more than optim.max_tokens_per_row={budget} "
-        f"holds; set it to at least the longest sequence (data.max_prompt_length + "
-        f"rollout.max_response_length).")
-  num_cells = num_shards * num_micro
-  # Sequences to cells, longest first, each to the cell with the fewest tokens (so the shards'
-  # and micro-batches' token counts differ by at most one sequence); then first-fit decreasing
-  # into rows of the budget within each cell. Ties go by index: the layout is deterministic.
-  order = sorted(range(lengths.size), key=lambda i: (-lengths[i], i))
-  cell_tokens = [0] * num_cells
-  cell_rows: list[list[list[int]]] = [[] for _ in range(num_cells)]
-  cell_room: list[list[int]] = [[] for _ in range(num_cells)]
-  for i in order:
+def _ffd(items: list[int], lengths: np.ndarray, budget: int) -> list[list[int]]:
+  """First-fit decreasing of ``items`` (indices into ``lengths``) into rows of ``budget``."""
+  rows: list[list[int]] = []
+  room: list[int] = []
+  for i in sorted(items, key=lambda i: (-lengths[i], i)):
     ln = int(lengths[i])
-    if ln == 0:
-      continue  # no token: nothing to train, no slot
-    cell = min(range(num_cells), key=lambda k: (cell_tokens[k], k))
-    cell_tokens[cell] += ln
-    rows, room = cell_rows[cell], cell_room[cell]
     for j, free in enumerate(room):
       if free >= ln:
         rows[j].append(i)
@@ -195,9 +171,56 @@ def pack_layout(attention_mask_NxL: np.ndarray, budget: int, num_shards: int = 1
     else:
       rows.append([i])
       room.append(budget - ln)
-  r = bucket(max(len(rows) for rows in cell_rows))
-  c = bucket(max(sum(len(row) for row in rows) for rows in cell_rows))
-  cp = num_cells * c
+  return rows
+
+
+def _lpt(weights: list[int], bins: int, cap: int | None = None) -> list[list[int]]:
+  """Indices of ``weights`` to ``bins`` bins, heaviest first, each to the lightest bin (with
+  fewer than ``cap`` items); ties by index, so the result is deterministic."""
+  out: list[list[int]] = [[] for _ in range(bins)]
+  load = [0] * bins
+  for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+    b = min((k for k in range(bins) if cap is None or len(out[k]) < cap),
+            key=lambda k: (load[k], k))
+    out[b].append(i)
+    load[b] += weights[i]
+  return out
+
+
+def pack_layout(attention_mask_NxL: np.ndarray, budget: int, num_shards: int = 1,
+                rows_per_micro: int = 1) -> PackLayout:
+  """Packs the mini-batch whose rows have ``attention_mask`` (real tokens) into rows of
+  ``budget`` tokens, ``num_shards`` batch shards and micro-batches of at most
+  ``rows_per_micro`` packed rows a shard (see the module docstring).
+
+  Raises SequenceTooLongError naming the row when a sequence is longer than the budget.
+  """
+  lengths = np.asarray(attention_mask_NxL, bool).sum(axis=1).astype(np.int64)
+  if budget < 1 or num_shards < 1 or rows_per_micro < 1:
+    raise ValueError(f"budget={budget}, num_shards={num_shards}, rows_per_micro="
+                     f"{rows_per_micro}: all must be >= 1.")
+  if lengths.size and lengths.max() > budget:
+    n = int(lengths.argmax())
+    raise SequenceTooLongError(
+        f"Row {n} has {int(lengths[n])} tokens, more than optim.max_tokens_per_row={budget} "
+        f"holds; set it to at least the longest sequence (data.max_prompt_length + "
+        f"rollout.max_response_length).")
+  live = [i for i in range(lengths.size) if lengths[i] > 0]  # a row of no token: no slot
+  # Sequences to shards, most tokens first, each to the shard with the fewest (the shards'
+  # token counts differ by at most one sequence); first-fit decreasing into rows within each.
+  shard_rows = []
+  for members in _lpt([int(lengths[i]) for i in live], num_shards):
+    shard_rows.append(_ffd([live[k] for k in members], lengths, budget))
+  most = max(max(len(rows) for rows in shard_rows), 1)
+  num_micro = bucket(-(-most // rows_per_micro))
+  r = min(bucket(-(-most // num_micro)), rows_per_micro)
+  # Each shard's rows to its micro-batches (r a cell), most tokens first, to the lightest.
+  cells: list[list[list[int]]] = []  # cell s * num_micro + m: its packed rows' sequences
+  for rows in shard_rows:
+    for members in _lpt([int(sum(lengths[i] for i in row)) for row in rows], num_micro, r):
+      cells.append([rows[k] for k in members])
+  c = bucket(max(sum(len(row) for row in rows) for rows in cells))
+  cp = num_shards * num_micro * c
   source = np.full(cp, -1, np.int32)
   pack_row = np.full(cp, -1, np.int32)
   start = np.zeros(cp, np.int32)
@@ -205,7 +228,7 @@ def pack_layout(attention_mask_NxL: np.ndarray, budget: int, num_shards: int = 1
   segment = np.zeros(cp, np.int32)
   # Cell (shard s, micro m): packed slot u is global row s*r*n + u*n + m, sequence slot v is
   # s*c*n + v*n + m (the order split_micro and the batch sharding expect).
-  for cell, rows in enumerate(cell_rows):
+  for cell, rows in enumerate(cells):
     s, m = divmod(cell, num_micro)
     v = 0
     for u, members in enumerate(rows):
@@ -219,8 +242,16 @@ def pack_layout(attention_mask_NxL: np.ndarray, budget: int, num_shards: int = 1
         v += 1
   return PackLayout(budget=int(budget), num_rows=int(lengths.size), num_shards=num_shards,
                     num_micro=num_micro, rows_per_cell=r, seqs_per_cell=c, source=source,
-                    pack_row=pack_row,
-                    start=start, length=length, segment=segment, real_tokens=int(lengths.sum()))
+                    pack_row=pack_row, start=start, length=length, segment=segment,
+                    real_tokens=int(lengths.sum()))
+
+
+def rows_per_micro(micro_batch_rows: int, padded_len: int, budget: int, num_shards: int) -> int:
+  """Packed rows a micro-batch gets on each shard: the tokens a padded micro-batch held there
+  (``micro_batch_rows`` rows of ``padded_len`` over ``num_shards``), so a packed micro-batch
+  never needs more memory than a padded one; at least one."""
+  per_shard = -(-micro_batch_rows // num_shards) * padded_len
+  return max(1, per_shard // budget)
 
 
 def num_batch_shards(mesh: Mesh | None, rules: shd.Rules = shd.TRAIN_RULES) -> int:
@@ -229,12 +260,12 @@ def num_batch_shards(mesh: Mesh | None, rules: shd.Rules = shd.TRAIN_RULES) -> i
 
 
 def layouts(attention_mask_NxL: np.ndarray, rows_per_update: int, budget: int,
-            num_shards: int, num_micro: int) -> list[PackLayout]:
+            num_shards: int, rows_per_micro: int) -> list[PackLayout]:
   """One `PackLayout` per optimizer mini-batch (consecutive ``rows_per_update`` rows), as
   `trajectories.mini_batches` cuts them."""
   n = attention_mask_NxL.shape[0]
-  return [pack_layout(attention_mask_NxL[s:s + rows_per_update], budget, num_shards, num_micro)
-          for s in range(0, n, rows_per_update)]
+  return [pack_layout(attention_mask_NxL[s:s + rows_per_update], budget, num_shards,
+                      rows_per_micro) for s in range(0, n, rows_per_update)]
 
 
 def packed_rows(layout: PackLayout, input_ids_NxL: np.ndarray, attention_mask_NxL: np.ndarray,
@@ -260,16 +291,19 @@ def metrics(all_layouts: list[PackLayout], budget: int, padded_len: int) -> dict
 
 
 def spec_layouts(spec: RunSpec, mesh: Mesh | None, attention_mask_NxL: np.ndarray,
-                 rows_per_batch: int | None = None, num_micro: int | None = None
+                 rows_per_batch: int | None = None, micro_batch_rows: int | None = None
                  ) -> list[PackLayout] | None:
   """The run's layouts of these rows (optim.packing; None: padded), cut as the trainer's
-  mini-batches (``rows_per_batch``, default ``spec.sizes.rows_per_update``) for its
-  micro-batches (``num_micro``, default the update's)."""
+  mini-batches (``rows_per_batch``, default ``spec.sizes.rows_per_update``), each micro-batch
+  the tokens of a padded one of ``micro_batch_rows`` rows (default optim.micro_batch_size)."""
   if not spec.optim.packing:
     return None
-  return layouts(attention_mask_NxL, rows_per_batch or spec.sizes.rows_per_update,
-                 spec.optim.max_tokens_per_row or spec.sizes.max_length, num_batch_shards(mesh),
-                 num_micro or spec.train_config().num_micro_batches)
+  rows = rows_per_batch or spec.sizes.rows_per_update
+  budget = spec.optim.max_tokens_per_row or spec.sizes.max_length
+  shards = num_batch_shards(mesh)
+  micro = min(micro_batch_rows or spec.optim.micro_batch_size, rows)
+  return layouts(attention_mask_NxL, rows, budget, shards,
+                 rows_per_micro(micro, spec.sizes.max_length, budget, shards))
 
 
 def forward_rows(logp_fn: LogProbForward, params: Any, input_ids_NxL: np.ndarray,

@@ -60,7 +60,7 @@ def warm_start(spec: RunSpec, graphdef, state, tokenizer, records, mesh):
     ids, attn, resp_mask = reference_batch(batch, tokenizer, spec.data.max_prompt_length,
                                            spec.rollout.max_response_length)
     # optim.packing: the warm start packs its batch as the RL update does.
-    layouts = packing.spec_layouts(spec, mesh, attn, rows, tcfg.num_micro_batches)
+    layouts = packing.spec_layouts(spec, mesh, attn, rows)
     old, _ = packing.forward_rows(logp_fn, sft_state.params, ids, attn, resp_mask.shape[1],
                                   mesh, layouts)
     adv = np.ones((rows,), np.float32)

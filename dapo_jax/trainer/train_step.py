@@ -48,7 +48,8 @@ MICRO_BATCH_LOSSES = ("exact", "verl")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Loss and optimizer settings of one update; defaults are DAPO's (spec 1, 4, 6)."""
-  num_micro_batches: int = 1  # gradient accumulation steps inside the update
+  # Gradient accumulation steps inside the update (packed batches: the batch's own count).
+  num_micro_batches: int = 1
   temperature: float = 1.0  # rollout temperature: logits / T (spec 4)
   logit_chunk_size: int = 512  # response positions per logits chunk; 0: unchunked
   clip_ratio_low: float = 0.2
@@ -263,9 +264,6 @@ def _masked_inputs(cfg: TrainConfig, batch: TrainBatch):
       raise ValueError("Packed batches need micro_batch_loss='exact' (a packed micro-batch "
                        "is no set of whole rows verl's weighting could count).")
     pk = batch.packed
-    if pk.num_micro != cfg.num_micro_batches:
-      raise ValueError(f"The batch was packed for {pk.num_micro} micro-batches, the step "
-                       f"runs {cfg.num_micro_batches}.")
     per_row = dict(idx=pk.token_index, mask=mask_BxR, old=old_BxR, adv=adv_B)
   if ref_BxR is not None:
     per_row["ref"] = ref_BxR
@@ -338,7 +336,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, cfg: TrainConfig, params: nnx.State,
   per_pack = None if pk is None else dict(ids=pk.input_ids, pos=pk.positions, seg=pk.segment_ids)
   inputs = (per_row, per_pack)
 
-  n = cfg.num_micro_batches
+  # Packed: the micro-batches the packer cut (token-budget, trainer/packing.py).
+  n = cfg.num_micro_batches if pk is None else pk.num_micro
   if n == 1:
     grads, sums = micro(per_row, packed=per_pack)
     grads = pin(grads)
@@ -543,6 +542,18 @@ class LogProbForward(_Compiled):
     weights = (params,) if ref_params is None else (params, ref_params)
     if self.mesh is not None:
       rows = jax.device_put(rows, self._batch_shardings(rows))
+    return self.jitted_packed(params, rows, ref_params)(*weights, self.rest, rows)
+
+  def lower_packed(self, params: nnx.State, rows: PackedRows,
+                   ref_params: nnx.State | None = None):
+    """Ahead-of-time lowering of `packed`; the arguments may be ShapeDtypeStructs."""
+    weights = (params,) if ref_params is None else (params, ref_params)
+    return self.jitted_packed(params, rows, ref_params).lower(*weights, self.rest, rows)
+
+  def jitted_packed(self, params: nnx.State, rows: PackedRows,
+                    ref_params: nnx.State | None = None):
+    """The jitted packed forward for these rows' structure and shapes."""
+    weights = (params,) if ref_params is None else (params, ref_params)
     key = ("packed", jax.tree.structure(rows), tuple(x.shape for x in jax.tree.leaves(rows)),
            ref_params is not None)
     if key not in self._jits:
@@ -569,7 +580,7 @@ class LogProbForward(_Compiled):
                           shd.state_shardings(self.rest, self.mesh, self.rules),
                           self._batch_shardings(rows)),
             out_shardings=(out,) * (3 if ref_params is not None else 2))
-    return self._jits[key](*weights, self.rest, rows)
+    return self._jits[key]
 
   def jitted(self, params: nnx.State, rows: tuple, response_len: int,
              ref_params: nnx.State | None = None):
