@@ -266,3 +266,26 @@ def test_cudnn_is_used_only_where_the_batch_divides_its_mesh_axes():
     assert attention._batch_divides_its_mesh_axes(16)  # pylint: disable=protected-access
     assert not attention._batch_divides_its_mesh_axes(6)  # pylint: disable=protected-access
   assert attention._batch_divides_its_mesh_axes(6)  # no activation mesh: nothing to check
+
+
+def test_the_cudnn_segment_bias_with_its_causal_flag_is_the_packed_mask():
+  """Packed rows on GPU: cuDNN gets the causal flag and a [B, 1, T, S] bias from the segments
+  (the same one array as the padding bias), checked with jax.nn's XLA implementation of those
+  arguments against the dense segment mask; a padding query's row stays finite."""
+  q, k, v = _qkv(seed=4)
+  seg = np.zeros((B, T), np.int32)
+  seg[0, :40], seg[0, 40:90], seg[0, 90:120] = 1, 2, 3
+  seg[1, :128] = np.repeat([1, 2], 64)
+  mask = attention.causal_mask(jnp.asarray(seg > 0), jnp.asarray(seg))
+  bias = attention.padding_bias(mask, T, q.dtype)
+  assert bias.shape == (B, 1, T, T)
+  out = np.asarray(jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True))
+  ref = np.asarray(attention.dot_product_attention(q, k, v, mask, impl="xla"))
+  real = seg > 0
+  np.testing.assert_allclose(out[real], ref[real], atol=1e-5)
+  assert np.isfinite(out).all()
+  # Without the segments the first sequence's tokens would see across: the bias is not keys-only.
+  keys_only = attention.padding_bias(attention.Mask(mask.dense_BxTxS, mask.key_valid_BxS,
+                                                    causal=True), T, q.dtype)
+  crossed = np.asarray(jax.nn.dot_product_attention(q, k, v, bias=keys_only, is_causal=True))
+  assert not np.allclose(crossed[real], ref[real], atol=1e-3)

@@ -122,7 +122,7 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
                                 dtype=mcfg.jnp_dtype, head_dim=mcfg.dim_per_head,
                                 seq_len=spec.optim.max_tokens_per_row or spec.sizes.max_length)
   packed = plan_packing.packed_shape(spec, plan_packing.num_batch_shards(spec, target.num_devices),
-                                     splash=impl == "splash")
+                                     impl)
   plan: dict[str, Any] = {
       "target": f"{target.kind}:{target.name}", "num_devices": target.num_devices,
       "hbm_bytes": target.hbm_bytes, "model_params": mcfg.num_params(),

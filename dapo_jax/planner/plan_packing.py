@@ -11,7 +11,7 @@ at the limit, the rest uniform below). A fixed seed draws one mini-batch of leng
 trainer's own packer lays it out, so the plan's shapes are the ones a run of that mix compiles.
 
 Attention: on TPU (splash) the packed kernel computes the blocks `segment_attention.block_map`
-lists, about the sequences' own causal squares; elsewhere (cuDNN, XLA) a packed row's whole
+lists, about the sequences' own causal squares; cuDNN a packed row's causal half, XLA its whole
 square, as those kernels do.
 """
 
@@ -55,7 +55,7 @@ def num_batch_shards(spec: RunSpec, num_devices: int) -> int:
   return math.prod(sizes.get(a, 1) for a in est.BATCH_AXES)
 
 
-def _shape(spec: RunSpec, num_shards: int, splash: bool) -> dict[str, Any]:
+def _shape(spec: RunSpec, num_shards: int, impl: str) -> dict[str, Any]:
   rows = spec.sizes.rows_per_update
   budget = spec.optim.max_tokens_per_row or spec.sizes.max_length
   mask = sample_masks(spec, rows)
@@ -64,31 +64,36 @@ def _shape(spec: RunSpec, num_shards: int, splash: bool) -> dict[str, Any]:
                             packing.rows_per_micro(micro, spec.sizes.max_length, budget,
                                                    num_shards))
   seg = lay.pack_tokens(np.zeros(mask.shape, np.int32), mask)["segment_ids"]
-  block = attention._splash_block(budget) if splash else None  # pylint: disable=protected-access
+  block = (attention._splash_block(budget)  # pylint: disable=protected-access
+           if impl == "splash" else None)
   if block:
     blocks = int(np.asarray(segment_attention.computed_blocks(seg, block)).sum())
     attention_pairs = blocks * block * block  # query-key pairs the kernel computes
-  else:
-    attention_pairs = lay.num_packed_rows * budget * budget  # the packed rows' whole squares
+  elif impl == "cudnn":  # the causal flag: each packed row's lower half
+    attention_pairs = lay.num_packed_rows * budget * (budget + 1) // 2
+  else:  # XLA: the packed rows' whole squares (masked scores cost as real ones)
+    attention_pairs = lay.num_packed_rows * budget * budget
   lengths = mask.sum(1)
   return {"budget": budget, "num_shards": num_shards, "num_micro": lay.num_micro,
           "rows_per_cell": lay.rows_per_cell, "seqs_per_cell": lay.seqs_per_cell,
           "packed_rows": lay.num_packed_rows, "slots": lay.num_slots, "fill": lay.fill,
           "real_tokens": lay.real_tokens, "rows": rows,
           "positions_vs_padded": lay.num_packed_rows * budget / (rows * spec.sizes.max_length),
-          "attention_block": block, "attention_pairs": attention_pairs,
+          "attention_impl": impl, "attention_block": block,
+          "attention_pairs": attention_pairs,
           "attention_pairs_own_squares": int((lengths * (lengths + 1) // 2).sum()),
           "mean_prompt_tokens": MEAN_PROMPT_TOKENS, "limit_share": LIMIT_SHARE}
 
 
-def packed_shape(spec: RunSpec, num_shards: int, splash: bool) -> dict[str, Any] | None:
+def packed_shape(spec: RunSpec, num_shards: int, impl: str) -> dict[str, Any] | None:
   """One mini-batch of the plan's mix packed for ``num_shards`` batch shards: the packer's
-  micro-batches, rows and slots, fill, positions against the padded rows, and the attention's
-  query-key pairs (``splash``: the blocks the packed kernel computes; else the packed rows'
-  squares). None when the run does not pack."""
+  micro-batches, rows and slots, fill, positions against the padded rows, and the query-key
+  pairs the attention kernel ``impl`` computes ("splash": the blocks the packed kernel does not
+  skip; "cudnn": the packed rows' causal halves; "xla": their whole squares). None when the run
+  does not pack."""
   if not spec.optim.packing:
     return None
-  return _shape(spec, num_shards, splash)
+  return _shape(spec, num_shards, impl)
 
 
 def attention_flops(mcfg: Qwen2Config, pairs: float) -> float:

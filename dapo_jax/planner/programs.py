@@ -178,7 +178,7 @@ def _train_program(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh):
 def packed_rows_abstract(spec: RunSpec, mesh: Mesh) -> PackedRows | None:
   """Abstract `PackedRows` of one mini-batch of the plan's length mix (`plan_packing`), packed
   for the mesh's batch shards; None when the run does not pack."""
-  shape = plan_packing.packed_shape(spec, packing.num_batch_shards(mesh), splash=False)
+  shape = plan_packing.packed_shape(spec, packing.num_batch_shards(mesh), "xla")
   if shape is None:
     return None
   sds = jax.ShapeDtypeStruct

@@ -65,7 +65,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"attention {pk['attention_pairs'] / max(pk['attention_pairs_own_squares'], 1):.2f}x the "
         f"sequences' own causal squares"
         + (f" (blocks of {pk['attention_block']} skipped across segments)"
-           if pk["attention_block"] else " (the packed rows' whole squares)"))
+           if pk["attention_block"] else f" ({pk['attention_impl']}: the packed rows' "
+           f"{'causal halves' if pk['attention_impl'] == 'cudnn' else 'whole squares'})"))
   f = plan["flops_analytic"]
   lora_part = (f", adapter merge {f['merge']:.3e} (LoRA: {f['adapter_params'] / 1e6:,.1f}M "
                f"adapter params, no base weight gradients)" if f.get("adapter_params") else "")
