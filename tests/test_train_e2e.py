@@ -265,3 +265,30 @@ def test_kl_loss_runs_end_to_end_and_resumes_with_its_reference(tmp_path, monkey
   trained = _params(workdir, 1)
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(refs[0]), trained))
+
+
+def test_a_packed_run_trains_as_the_padded_one(tmp_path, monkeypatch):
+  """Issue 49: the same two steps, with the KL reference on, packed (several sequences a row,
+  token-budget micro-batches) and padded: the same logged values to float tolerance, and the
+  packed run says how it packed."""
+  monkeypatch.setattr(run_setup, "RewardScorer", _FirstOfEachGroupCorrect)
+  runs = {}
+  for packing in (False, True):
+    c = _small_config(**{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5,
+                         "algorithm.dynamic_sampling": True, "optim.packing": packing,
+                         "optim.max_tokens_per_row": 72, "checkpoint.save_every": 10,
+                         # 16 rows a mini-batch over the 8 simulated devices' shards: two a
+                         # shard, one row of 72 holds both.
+                         "optim.mini_batch_size": 4})
+    workdir = str(tmp_path / f"packing_{packing}")
+    train_and_evaluate(_with_steps(c, 2), workdir)
+    runs[packing] = _metric_rows(workdir)
+  padded, packed = runs[False], runs[True]
+  assert sorted(padded) == sorted(packed) == [1, 2]
+  for step in padded:
+    assert packed[step]["packing/seqs_per_row"] == 2.0  # a row of 72 holds two sequences
+    assert packed[step]["packing/train_programs"] <= 2
+    for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/kl", "actor/entropy",
+              "actor/pg_clipfrac", "rollout/logprob_diff_max", "train/reward_mean"):
+      np.testing.assert_allclose(packed[step][k], padded[step][k], rtol=1e-4, atol=1e-5,
+                                 err_msg=f"{k} at step {step}")
