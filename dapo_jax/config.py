@@ -72,7 +72,8 @@ def default_config() -> ml_collections.ConfigDict:
       quantize_base="none"))
 
   c.tokenizer = ml_collections.ConfigDict()
-  c.tokenizer.kind = "auto"  # auto: the checkpoint's own files, else the offline Qwen2.5 BPE
+  c.tokenizer.kind = "auto"  # the checkpoint's own files, else the offline Qwen2.5 BPE (logged; a
+  # checkpoint whose vocabulary is not Qwen's is refused)
   c.tokenizer.path = ""
 
   c.data = ml_collections.ConfigDict()

@@ -44,6 +44,8 @@ def plan_model_config(m: ModelSpec, tok: TokenizerSpec) -> Qwen2Config:
   too)."""
   if tok.kind == "char":
     size = run_setup.build_tokenizer(tok, m.checkpoint).vocab_size
+  elif m.checkpoint:  # its config.json's vocabulary; dapo-train checks it against the tokenizer
+    size = 0
   else:
     size = get_preset(m.preset).vocab_size
   return run_setup.model_config(m, tok.kind, _VocabOnly(size))
