@@ -223,18 +223,32 @@ def test_gpu_plan_preflight_refuses_a_config_that_does_not_fit():
   assert "fits gpu:h100:1x8" in out.stderr
 
 
-@pytest.mark.parametrize("platforms,gpu_flag", [("cpu", False), ("", True)])
-def test_multinode_gpu_adds_gpu_flags_only_off_cpu(tmp_path, platforms, gpu_flag):
-  """A CPU rehearsal of the GPU launcher (JAX_PLATFORMS=cpu) gets no GPU-only XLA flag; a GPU
-  run gets the flags dapo-plan's GPU rows assume. (dapo-train here: a stand-in printing them.)"""
-  fake = tmp_path / "dapo-train"
-  fake.write_text('#!/usr/bin/env bash\necho "XLA_FLAGS=[$XLA_FLAGS]"\n')
-  fake.chmod(0o755)
-  out = _sh(["bash", "launch/multinode_gpu.sh", "--coordinator=h:1", "--nodes", "1", "--rank",
-             "0", "--config", "configs/tiny_cpu.py", "--workdir", str(tmp_path / "w"),
-             "--skip-plan"],
+_NVIDIA_SMI = {  # this host's nvidia-smi, as the launchers ask it (-L, then the GPU's name)
+    "gpu": 'if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; '
+           'else echo "NVIDIA H100 80GB HBM3"; fi\n',
+    "none": 'echo "No devices were found"; exit 6\n'}
+
+
+@pytest.mark.parametrize("script", ["multinode_gpu.sh", "slurm_gpu.sbatch"])
+@pytest.mark.parametrize("platforms,host,gpu_flag", [
+    ("cpu", "gpu", False),  # a CPU rehearsal on a GPU host
+    ("", "none", False),  # JAX's own choice on a host without a GPU: the CPU (issue 50, 14)
+    ("", "gpu", True), ("cuda", "none", True), ("cpu,cuda", "none", True)])
+def test_gpu_launchers_add_gpu_flags_only_where_the_platform_is_a_gpu(tmp_path, script,
+                                                                      platforms, host, gpu_flag):
+  """A CPU run of a GPU launcher gets no GPU-only XLA flag; a GPU run gets the flags dapo-plan's
+  GPU rows assume. (The command it starts, dapo-train or srun, is a stand-in printing them.)"""
+  for name, text in (("dapo-train", 'echo "XLA_FLAGS=[$XLA_FLAGS]"\n'),
+                     ("srun", 'echo "XLA_FLAGS=[$XLA_FLAGS]"\n'),
+                     ("nvidia-smi", _NVIDIA_SMI[host])):
+    (tmp_path / name).write_text("#!/usr/bin/env bash\n" + text)
+    (tmp_path / name).chmod(0o755)
+  args = (["--coordinator=h:1", "--nodes", "1", "--rank", "0", "--config", "configs/tiny_cpu.py",
+           "--workdir", str(tmp_path / "w"), "--skip-plan"] if script == "multinode_gpu.sh"
+          else ["configs/tiny_cpu.py", str(tmp_path / "w")])
+  out = _sh(["bash", f"launch/{script}", *args],
             env={"PATH": f"{tmp_path}:{os.environ['PATH']}", "JAX_PLATFORMS": platforms,
-                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "SKIP_PLAN": "1"})
   assert out.returncode == 0, out.stderr
   expected = "--xla_force_host_platform_device_count=2" + (
       " --xla_gpu_enable_latency_hiding_scheduler=true" if gpu_flag else "")
