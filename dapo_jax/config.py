@@ -454,6 +454,28 @@ def _check_overlap(c: ml_collections.ConfigDict, num_devices: int | None, bad) -
         "XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
+def notes(c: ml_collections.ConfigDict) -> list[str]:
+  """Choices `validate` allows that change what a run does without an error, one line each
+  (`RunSpec.from_config` logs them as warnings): the trainer would otherwise take them in
+  silence."""
+  a, k, n = c.algorithm, c.algorithm.max_staleness, c.rollout_devices
+  out = []
+  if k and c.rollout.use_sampler_logprobs:  # validate: then rollout_is is "none", uncorrected
+    out.append(
+        f"config.rollout.use_sampler_logprobs=True with algorithm.max_staleness={k}"
+        f"{' (allow_uncorrected_staleness)' if a.allow_uncorrected_staleness else ''}: the "
+        f"ratio is clipped against the sampler's log-probs, a behaviour policy up to {k} "
+        "version(s) old, not against the proximal policy of the decoupled objective "
+        "(docs/overlap.md); set rollout.use_sampler_logprobs=False for that.")
+  if n and not k:
+    out.append(
+        f"config.rollout_devices={n} with algorithm.max_staleness=0: the last {n} device(s) "
+        "only roll out and the others only train, one phase after the other, so each set "
+        "idles while the other works; set algorithm.max_staleness >= 1 to overlap the two, or "
+        "rollout_devices=0 to give both phases every device.")
+  return out
+
+
 def _check_model(m: ml_collections.ConfigDict, bad) -> None:
   """The model fields `Qwen2Config` checks too, here so dapo-train fails before any work."""
   from dapo_jax.models.presets import PRESETS  # pylint: disable=g-import-not-at-top
