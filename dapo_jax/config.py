@@ -72,7 +72,8 @@ def default_config() -> ml_collections.ConfigDict:
       quantize_base="none"))
 
   c.tokenizer = ml_collections.ConfigDict()
-  c.tokenizer.kind = "auto"  # auto: the checkpoint's own files, else the offline Qwen2.5 BPE
+  c.tokenizer.kind = "auto"  # the checkpoint's own files, else the offline Qwen2.5 BPE (logged; a
+  # checkpoint whose vocabulary is not Qwen's is refused)
   c.tokenizer.path = ""
 
   c.data = ml_collections.ConfigDict()
@@ -474,6 +475,28 @@ def _check_overlap(c: ml_collections.ConfigDict, num_devices: int | None, bad) -
     bad("rollout_devices", n,
         f"leaves no device to train on ({num_devices} devices); on CPU simulate more with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+
+
+def notes(c: ml_collections.ConfigDict) -> list[str]:
+  """Choices `validate` allows that change what a run does without an error, one line each
+  (`RunSpec.from_config` logs them as warnings): the trainer would otherwise take them in
+  silence."""
+  a, k, n = c.algorithm, c.algorithm.max_staleness, c.rollout_devices
+  out = []
+  if k and c.rollout.use_sampler_logprobs:  # validate: then rollout_is is "none", uncorrected
+    out.append(
+        f"config.rollout.use_sampler_logprobs=True with algorithm.max_staleness={k}"
+        f"{' (allow_uncorrected_staleness)' if a.allow_uncorrected_staleness else ''}: the "
+        f"ratio is clipped against the sampler's log-probs, a behaviour policy up to {k} "
+        "version(s) old, not against the proximal policy of the decoupled objective "
+        "(docs/overlap.md); set rollout.use_sampler_logprobs=False for that.")
+  if n and not k:
+    out.append(
+        f"config.rollout_devices={n} with algorithm.max_staleness=0: the last {n} device(s) "
+        "only roll out and the others only train, one phase after the other, so each set "
+        "idles while the other works; set algorithm.max_staleness >= 1 to overlap the two, or "
+        "rollout_devices=0 to give both phases every device.")
+  return out
 
 
 def _check_model(m: ml_collections.ConfigDict, bad) -> None:

@@ -90,8 +90,15 @@ esac
                                  "(relative paths start at $PWD)" >&2; exit 2; }
 # The flags dapo-plan's GPU rows assume (dapo_jax/planner/gpu_targets.py; NCCL: its defaults).
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-case "${JAX_PLATFORMS:-} ${XLA_FLAGS:-} " in
-  cpu\ *|*" --xla_gpu_enable_latency_hiding_scheduler="*) ;;  # a CPU rehearsal: no GPU flags
+# Only where the platform is a GPU: JAX_PLATFORMS names one, or is unset on a host whose
+# nvidia-smi lists a GPU. A CPU run (JAX_PLATFORMS=cpu, or no GPU here) gets no GPU-only flag.
+on_gpu=0
+case ",${JAX_PLATFORMS:-}," in
+  *,cuda,*|*,gpu,*|*,rocm,*) on_gpu=1 ;;
+  ,,) if nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then on_gpu=1; fi ;;
+esac
+case "$on_gpu ${XLA_FLAGS:-} " in
+  0\ *|*" --xla_gpu_enable_latency_hiding_scheduler="*) ;;  # not a GPU, or the user's own value
   *) export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true" ;;
 esac
 if [ -z "$gpu" ] && [ "$dry" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then

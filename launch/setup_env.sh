@@ -22,8 +22,20 @@ source "$_root/.venv/bin/activate"
 _spec="$_root"
 [ -n "$_extra" ] && _spec="${_root}[${_extra}]"
 echo "[setup_env] pip install -e '$_spec'"
-python -m pip install -q -e "$_spec"
+# Two notices of a sound install are left out, nothing else (a failed pip still fails, with all
+# it said): setuptools' "Editable installation" reminder box, printed on every editable install,
+# and the conflicts pip reports for the google-jetstream requirements that the no-deps install
+# below leaves out on purpose (requirements-no-deps.txt); `pip check` then shows any other.
+PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q --no-warn-conflicts \
+  -e "$_spec"
 # JetStream without the TensorFlow its metadata asks for (setup.py says why).
 python -m pip install -q --no-deps -r "$_root/requirements-no-deps.txt"
+_expected="^google-jetstream [^ ]+ requires (seqio|blobfile|coverage|parameterized|portpicker"
+_expected+="|pytest), which is not installed\.$|^No broken requirements found\.$"
+_conflicts="$(python -m pip check 2> /dev/null | grep -Ev "$_expected" || true)"
+if [ -n "$_conflicts" ]; then
+  echo "[setup_env] pip check: broken requirements (besides google-jetstream's expected ones):" >&2
+  echo "$_conflicts" >&2
+fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
 export TOKENIZERS_PARALLELISM=false

@@ -513,3 +513,40 @@ def test_a_refusal_raised_inside_the_compiler_names_its_python_error():
   with pytest.raises(plan_programs.ProgramCompileError,
                      match=r"jit_chunk_program: IndivisibleError: shape=\[2, 1\]"):
     plan_programs._compile(_Partitioner())
+
+
+def _uncompilable(x):
+  """A program no backend compiles: a call to an FFI handler nobody registered."""
+  return jax.ffi.ffi_call("dapo_no_such_kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def test_a_refused_program_is_one_line_after_the_plan_of_the_others(monkeypatch, capsys):
+  """Issue 50 (13): a compiler error other than an HBM OOM in one of the plan's programs (here
+  the train step's builder gives a program the CPU compiler genuinely refuses) ended dapo-plan
+  with that error alone. Now the plan of the other programs is printed, then one line naming
+  the program, the target and the compiler's message (exit 2)."""
+  from dapo_jax.spec import cli  # pylint: disable=g-import-not-at-top
+  real = plan_programs._train_program  # pylint: disable=protected-access
+
+  def train_program(spec, mcfg, mesh):
+    _, state, batch, tcfg = real(spec, mcfg, mesh)
+    lowered = jax.jit(_uncompilable).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+    return lowered, state, batch, tcfg
+
+  monkeypatch.setattr(plan_programs, "_train_program", train_program)
+  argv = ["--config", os.path.join(CONFIGS, "tiny_cpu.py"), "--target", "cpu:8", "--layers=1",
+          f"--config.mesh={MESH}", "--config.optim.micro_batch_size=16",
+          "--config.rollout.engine=static"]  # one rollout program to compile, not two
+  with pytest.raises(SystemExit) as e:
+    cli.exit_on_error("dapo-plan", plan_lib.main, argv)
+  out, err = capsys.readouterr()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert e.value.code == 2 and len(lines) == 1, err
+  assert lines[0].startswith("dapo-plan: error: The compiler refused the train step "
+                             "(jit__uncompilable) for cpu:8: NOT_FOUND: No FFI handler "
+                             "registered for dapo_no_such_kernel"), lines[0]
+  assert "the plan above has the other programs" in lines[0], lines[0]
+  # The plan was printed: the refused program's row and the others' compiled figures.
+  assert "train   peak (refused: no temp)" in out, out
+  assert "peak (compiled)" in out and "reshard train->rollout peak" in out, out
+  assert "the compiler refused the train step (jit__uncompilable): NOT_FOUND" in out, out

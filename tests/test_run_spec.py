@@ -2,6 +2,7 @@
 
 import dataclasses
 import glob
+import logging
 import os
 import typing
 
@@ -134,3 +135,36 @@ def test_every_shipped_config_reads_and_gives_the_trainers_update_settings(path)
   assert (tcfg.clip_ratio_low, tcfg.clip_ratio_high, tcfg.loss_agg_mode) == (
       a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode)
   assert tcfg.rollout_is_band == tuple(a.rollout_is_band)
+
+
+@pytest.mark.parametrize("changes,want", [
+    ({"rollout.use_sampler_logprobs": True, "algorithm.max_staleness": 2,
+      "algorithm.allow_uncorrected_staleness": True},
+     "config.rollout.use_sampler_logprobs=True with algorithm.max_staleness=2 "
+     "(allow_uncorrected_staleness): the ratio is clipped against the sampler's log-probs, a "
+     "behaviour policy up to 2 version(s) old, not against the proximal policy"),
+    ({"rollout_devices": 1},
+     "config.rollout_devices=1 with algorithm.max_staleness=0: the last 1 device(s) only roll "
+     "out and the others only train, one phase after the other, so each set idles"),
+    ({}, None),  # the defaults
+    ({"rollout.use_sampler_logprobs": True}, None),  # synchronous: the sampler's are v(t)'s
+    ({"rollout_devices": 1, "algorithm.max_staleness": 1,
+      "algorithm.rollout_is": "token_truncated"}, None),  # the overlapped split
+])
+def test_choices_that_change_the_run_unasked_are_logged(changes, want, caplog):
+  """Issue 50 (9): two combinations validate allows ran without a word: the sampler's
+  log-probs as old log-probs of an overlapped step (the clip against the stale behaviour
+  policy, not the proximal one), and devices split between the phases of a synchronous step
+  (each set idle while the other works). `RunSpec.from_config` now logs each in one line."""
+  config = _load(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  for key, value in changes.items():
+    section, _, leaf = key.rpartition(".")
+    (config[section] if section else config)[leaf] = value
+  with caplog.at_level(logging.WARNING, logger="dapo_jax.spec.run_spec"):
+    RunSpec.from_config(config, num_devices=2)  # one device trains, one rolls out
+  notes = [r for r in caplog.records if r.name == "dapo_jax.spec.run_spec"]
+  if want is None:
+    assert not notes, [r.message for r in notes]
+    return
+  assert len(notes) == 1 and notes[0].levelno == logging.WARNING, [r.message for r in notes]
+  assert "\n" not in notes[0].message and notes[0].message.startswith(want), notes[0].message

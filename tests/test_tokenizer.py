@@ -10,7 +10,7 @@ import jinja2
 import pytest
 
 from dapo_jax import config as config_lib
-from dapo_jax.spec.run_spec import RunSpec
+from dapo_jax.spec.run_spec import RunSpec, TokenizerSpec
 from dapo_jax.trainer import run_setup
 from dapo_jax.tokenizers import chat_templates
 from dapo_jax.tokenizers import qwen_vocab
@@ -404,3 +404,70 @@ def test_responses_decode_without_special_tokens_and_score_right(which, request)
   assert texts == ["Answer: 5", "Answer: 5"]
   assert [compute_score(t, "5")["acc"] for t in texts] == [True, True]
   assert not compute_score(text, "5")["acc"]  # what the verifier saw before
+
+
+def _checkpoint_spec(tmp_path, vocab_size: int, kind: str = "auto"):
+  """A spec whose model.checkpoint is a directory holding only a config.json of ``vocab_size``
+  (no tokenizer files, no weights: a refusal must come before any weight is read)."""
+  from tests.hf_fixtures import TINY_HF  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / f"ckpt_{vocab_size}"
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text(json.dumps(
+      {**TINY_HF, "vocab_size": vocab_size, "architectures": ["Qwen2ForCausalLM"]}))
+  cfg = config_lib.default_config()
+  cfg.model.checkpoint, cfg.tokenizer.kind = str(ckpt), kind
+  return RunSpec.from_config(cfg)
+
+
+@pytest.mark.parametrize("vocab_size", [128256, 256000])  # Llama 3's, Gemma's
+def test_auto_refuses_a_checkpoint_whose_vocabulary_is_not_qwens(vocab_size, tmp_path, caplog):
+  """Issue 50 (12): a checkpoint without tokenizer files under tokenizer.kind="auto" fell back
+  to the built-in Qwen2.5 BPE whatever its vocabulary: training on ids that mean other words to
+  it. Now one line, before any weight is read, saying what to do."""
+  spec = _checkpoint_spec(tmp_path, vocab_size)
+  with caplog.at_level(logging.INFO, logger=run_setup.__name__):
+    tok = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+  assert isinstance(tok, tok_lib.QwenTiktokenTokenizer)
+  [record] = [r for r in caplog.records if r.name == run_setup.__name__]
+  assert record.levelno == logging.WARNING, record
+  assert "built-in qwen2.5 BPE" in record.message and "holds neither tokenizer.json" in (
+      record.message)
+  with pytest.raises(ValueError) as e:
+    run_setup.build_model(spec.model, spec.tokenizer.kind, tok, None, 0)
+  message = str(e.value)
+  assert "\n" not in message and f"vocab_size={vocab_size}" in message, message
+  assert spec.model.checkpoint in message and "config.tokenizer.path" in message, message
+  with pytest.raises(ValueError, match=f"vocab_size={vocab_size}"):  # dapo-eval's path too
+    from dapo_jax.trainer import policy  # pylint: disable=g-import-not-at-top
+    policy.load_policy(spec)
+
+
+def test_a_qwen_checkpoint_keeps_the_fallback(tmp_path):
+  """Qwen2.5's padded embeddings (151,936 and 152,064 rows) fit the built-in BPE."""
+  for vocab_size in (151936, 152064):
+    spec = _checkpoint_spec(tmp_path, vocab_size)
+    tok = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+    assert run_setup.model_config(spec.model, "auto", tok).vocab_size == vocab_size
+
+
+def test_the_tokenizer_choice_is_logged_in_every_case(qwen_dir, tmp_path, caplog):
+  """Which tokenizer, and why, in one line whatever tokenizer.kind picks."""
+  char_dir = tmp_path / "char"
+  char_dir.mkdir()
+  tok_lib.CharTokenizer().save(char_dir)
+  cases = [(("auto", "", ""), "built-in qwen2.5 BPE (151665 tokens) (tokenizer.kind=auto, and "
+            "neither tokenizer.path nor model.checkpoint", logging.INFO),
+           (("auto", str(qwen_dir), ""), f"{qwen_dir}/tokenizer.json (151665 tokens) "
+            f"(tokenizer.kind=auto, from tokenizer.path={qwen_dir})", logging.INFO),
+           (("auto", "", str(char_dir)), f"char tokenizer (64 symbols) (tokenizer.kind=auto, "
+            f"from model.checkpoint={char_dir})", logging.INFO),
+           (("char", "", ""), "the built-in alphabet", logging.INFO),
+           (("qwen2.5-math", "", ""), "built-in qwen2.5-math BPE", logging.INFO),
+           (("hf", str(qwen_dir), ""), "(tokenizer.kind=hf, from tokenizer.path", logging.INFO)]
+  for (kind, path, checkpoint), want, level in cases:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=run_setup.__name__):
+      run_setup.build_tokenizer(TokenizerSpec(kind, path), checkpoint)
+    [record] = [r for r in caplog.records if r.name == run_setup.__name__]
+    assert record.message.startswith("tokenizer: ") and want in record.message, record.message
+    assert record.levelno == level, (kind, record)

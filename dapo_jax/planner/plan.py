@@ -44,9 +44,10 @@ from dapo_jax.planner import plan_overlap
 from dapo_jax.planner import plan_packing
 from dapo_jax.planner import plan_paged
 from dapo_jax.planner import plan_split
-from dapo_jax.planner.programs import (compile_continuous, compile_continuous_rollout, reported,
-                                       compile_decode_costs, compile_logprob, compile_rollout,
-                                       compile_train_cost, compile_train_step, plan_model_config,
+from dapo_jax.planner.programs import (REFUSAL_HINT, ProgramCompileError, compile_continuous,
+                                       compile_continuous_rollout, compile_decode_costs,
+                                       compile_logprob, compile_rollout, compile_train_cost,
+                                       compile_train_step, plan_model_config, reported,
                                        sampling_params)
 from dapo_jax.planner.report import format_plan
 from dapo_jax.planner.targets import Target, parse_target, prepare_libtpu_env
@@ -59,6 +60,10 @@ GiB = 1024**3
 
 # Depths the estimate's programs are compiled at (unrolled) to get their cost at the model's.
 COST_DEPTHS = (1, 2)
+# The memory programs, by their plan keys: one the compiler refuses (not for HBM) is a row of the
+# plan and its one error line (`refusals`), the plan of the others still made and printed.
+MEMORY_PROGRAMS = (("train", "train step"), ("rollout", "static sampler's rollout call"),
+                   ("continuous_rollout", "continuous engine"))
 
 
 def _costs_at_depth(compile_fn, *args, spec: RunSpec, mcfg: Qwen2Config) -> dict[str, Any]:
@@ -190,6 +195,11 @@ def make_plan(spec: RunSpec, target: Target, estimate: bool | None = None) -> di
   plan["fits"] = None if target.hbm_bytes is None else plan["peak_bytes"] <= target.hbm_bytes
   if "oom" in plan["train"] or "oom" in rollout:
     plan["fits"] = False
+  plan["refused"] = [f"the {name} ({plan[key]['refused']['program']}) for {plan['target']}: "
+                     f"{plan[key]['refused']['what']}" for key, name in MEMORY_PROGRAMS
+                     if "refused" in plan.get(key, {})]
+  if plan["refused"] and plan["fits"]:  # its peak lacks what the refused program needs
+    plan["fits"] = None
   if estimate and target.chip is not None and not target.analytic:
     plan["uncounted_flops"] = est.uncounted_flops(
         spec, mcfg, target.num_devices, splash=plan["attention"] == "splash",
@@ -276,7 +286,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(format_plan(plan))
   if fv.json:
     epath.Path(cli.expand(fv.json)).write_text(json.dumps(plan, indent=2))
+  refusals(plan)
   return plan
+
+
+def refusals(plan: dict[str, Any]) -> None:
+  """Raises the one line of the memory programs the compiler refused (not for HBM), if any:
+  which, for which target, the compiler's message (exit 2, after the plan of the others)."""
+  if plan.get("refused"):
+    raise ProgramCompileError(f"The compiler refused {'; and '.join(plan['refused'])} "
+                              f"({REFUSAL_HINT}); the plan above has the other programs.")
 
 
 def run() -> None:

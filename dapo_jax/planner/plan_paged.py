@@ -220,8 +220,8 @@ def compiled_engines(plan: dict[str, Any]) -> list[dict[str, Any]]:
     row = {"program": key, "slots": c["slots"], "slots_per_shard": c["slots"] // shards,
            **c["paged"], "engine_state_bytes": c["parts"]["engine_state"],
            "params_bytes": c["parts"]["params"], "compile_seconds": c["compile_seconds"]}
-    if "oom" in c:
-      row["oom"] = c["oom"]
+    if "oom" in c or "refused" in c:
+      row |= {k: c[k] for k in ("oom", "refused") if k in c}
     else:
       row |= {"temp_bytes": c["memory"]["temp"], "peak_bytes": c["peak"],
               "rollout_phase_bytes": plan["train"]["state_bytes"] + c["peak"]}
@@ -276,6 +276,9 @@ def format_lines(pe: dict[str, Any], compiled_dense: float | None = None) -> lis
             f"shard), {c['pages_per_shard']:,} pages/shard:")
     if "oom" in c:
       lines.append(f"{head} does not compile ({c['oom'].get('what', 'out of memory')})")
+      continue
+    if "refused" in c:
+      lines.append(f"{head} refused by the compiler ({c['refused']['what'][:200]})")
       continue
     lines.append(f"{head} engine state {c['engine_state_bytes'] / gib:.2f} GiB + weights "
                  f"{c['params_bytes'] / gib:.2f} + temporaries {c['temp_bytes'] / gib:.2f} = "

@@ -73,7 +73,7 @@ def compile_split(spec: RunSpec, mcfg: Qwen2Config, oe: dict[str, Any], target) 
                                  dataclasses.replace(paged, num_pages=row["pool_pages"]))
   for side in ("train", "rollout"):
     prog = out[side]
-    out[f"{side}_fits"] = ("peak" in prog and "oom" not in prog
+    out[f"{side}_fits"] = ("peak" in prog and "oom" not in prog and "refused" not in prog
                            and prog["peak"] <= target.hbm_bytes)
   return out
 
@@ -89,6 +89,8 @@ def format_lines(cs: dict[str, Any], hbm_bytes: int) -> list[str]:
       return f"{name}: not compiled ({prog['error'][:200]})"
     if "oom" in prog:
       return f"{name}: compiler OOM (the estimate {g(estimate)} GiB)"
+    if "refused" in prog:
+      return f"{name}: refused by the compiler ({prog['refused']['what'][:200]})"
     parts = ", ".join(f"{k} {g(v)}" for k, v in prog["parts"].items() if v >= GiB / 200)
     return (f"{name} {g(prog['peak'])} GiB/chip ({parts}; {what}; the estimate {g(estimate)}): "
             + ("fits" if fits else f"DOES NOT FIT in {g(hbm_bytes)}"))

@@ -2,7 +2,8 @@
 old-log-prob forward, decode step, continuous engine), each with its memory and cost analyses.
 
 One piece: every program is lowered, compiled and summarised through the same `_compile` (HBM
-OOMs as rows, other refusals as one line) and `_summary`, so their figures share one basis.
+OOMs as rows; other refusals as rows of the memory programs, a plan's one error line, and an error
+of a cost program) and `_summary`, so their figures share one basis.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def plan_model_config(m: ModelSpec, tok: TokenizerSpec) -> Qwen2Config:
   too)."""
   if tok.kind == "char":
     size = run_setup.build_tokenizer(tok, m.checkpoint).vocab_size
+  elif m.checkpoint:  # its config.json's vocabulary; dapo-train checks it against the tokenizer
+    size = 0
   else:
     size = get_preset(m.preset).vocab_size
   return run_setup.model_config(m, tok.kind, _VocabOnly(size))
@@ -87,7 +90,11 @@ class ProgramCompileError(ValueError):
   one line naming the program and the compiler's first words (dapo-plan exits 2 with it)."""
 
 
-def _refused(lowered, err: Exception) -> ProgramCompileError:
+REFUSAL_HINT = "a config this target cannot compile, or a bug to report with the command"
+
+
+def _refusal(lowered, err: Exception) -> dict[str, str]:
+  """``{"program": the module's name, "what": the compiler's message in one line}``."""
   try:
     m = re.search(r"module @(\S+)", lowered.as_text()[:2000])
   except Exception:  # pylint: disable=broad-except
@@ -98,9 +105,13 @@ def _refused(lowered, err: Exception) -> ProgramCompileError:
   raised = [line for line in lines if re.match(r"^\w*(Error|Exception): ", line)]
   what = raised[-1] if raised else " ".join(lines[:2])
   what = what if len(what) <= 400 else what[:400] + " ..."
+  return {"program": m.group(1) if m else "(unnamed)", "what": what}
+
+
+def _refused(lowered, err: Exception) -> ProgramCompileError:
+  r = _refusal(lowered, err)
   return ProgramCompileError(
-      f"The compiler refused the program {m.group(1) if m else '(unnamed)'}: {what} (a config "
-      "this target cannot compile, or a bug to report with the command)")
+      f"The compiler refused the program {r['program']}: {r['what']} ({REFUSAL_HINT})")
 
 
 def reported(compile_fn, *args) -> dict[str, Any]:
@@ -111,16 +122,19 @@ def reported(compile_fn, *args) -> dict[str, Any]:
     return {"error": f"{type(err).__name__}: {err}"[:500]}
 
 
-def _compile(lowered) -> tuple[Any, dict[str, Any] | None, float]:
+def _compile(lowered, keep_refusal: bool = False) -> tuple[Any, dict[str, Any] | None, float]:
   """(compiled, None, seconds), or (None, what the compiler lacked, seconds) when libtpu refuses
   a program that cannot fit in HBM (it says by how much); any other refusal raises
-  `ProgramCompileError`."""
+  `ProgramCompileError`, or with ``keep_refusal`` gives (None, ``{"refused": `_refusal`}``,
+  seconds): a memory program's row, so the plan of the others is still made."""
   start = time.perf_counter()
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as err:
     m = _OOM.search(str(err))
     if "RESOURCE_EXHAUSTED" not in str(err) or m is None:
+      if keep_refusal:
+        return None, {"refused": _refusal(lowered, err)}, time.perf_counter() - start
       raise _refused(lowered, err) from err
     return None, {"what": m.group(1), "required": _to_bytes(m.group(2), m.group(3)),
                   "available": _to_bytes(m.group(4), m.group(5))}, time.perf_counter() - start
@@ -130,8 +144,11 @@ def _compile(lowered) -> tuple[Any, dict[str, Any] | None, float]:
 def _summary(compiled, oom, seconds: float, parts: dict[str, int], temp_part: str,
              temp_known: int = 0) -> dict[str, Any]:
   """Compiled memory and FLOPs. On a compiler OOM the temporaries it asked for fill
-  ``temp_part`` (less ``temp_known``, listed in another part), so the peak is what it needed."""
+  ``temp_part`` (less ``temp_known``, listed in another part), so the peak is what it needed;
+  on another refusal (``oom`` is ``{"refused": ...}``) the peak is the parts known without it."""
   out = {"parts": parts, "compile_seconds": round(seconds, 1)}
+  if compiled is None and "refused" in oom:
+    return out | {"refused": oom["refused"], "peak": sum(parts.values()), "flops_compiled": 0.0}
   if compiled is None:
     if oom["what"] == "HLO temporaries":
       parts[temp_part] = max(oom["required"] - temp_known, 0)
@@ -194,7 +211,7 @@ def compile_train_step(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh) -> dict[str
   lowered, state, batch, tcfg = _train_program(spec, mcfg, mesh)
   params, opt_state = state.params, state.opt_state
   rows = batch.response_mask.shape[0]  # trajectories (packed: sequence slots)
-  compiled, oom, seconds = _compile(lowered)
+  compiled, oom, seconds = _compile(lowered, keep_refusal=True)
   sh = shd.state_shardings(state, mesh, shd.TRAIN_RULES)
   batch_sh = jax.tree.map(lambda x: shd.batch_sharding(mesh, shd.TRAIN_RULES, x.ndim, x.shape[0]),
                           batch)
@@ -239,7 +256,7 @@ def compile_rollout(spec: RunSpec, mcfg: Qwen2Config, train_mesh: Mesh, rollout_
   ids = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=prompt_sh)
   mask = jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=prompt_sh)
   compiled, oom, seconds = _compile(sampler._program.lower(  # pylint: disable=protected-access
-      _abstract(state, rollout_sh), ids, mask, key, params=sp, num_samples=g))
+      _abstract(state, rollout_sh), ids, mask, key, params=sp, num_samples=g), keep_refusal=True)
   kv = est.kv_cache_bytes_per_device(mcfg, rollout_mesh, b * g, spec.sizes.max_length)
   mem = None if compiled is None else _mem(compiled)
   parts = {"params": shd.per_device_bytes(state, rollout_sh), "kv_cache_estimate": kv,
@@ -344,7 +361,7 @@ def compile_decode_costs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: Sampl
 
 
 def _continuous_programs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: SamplingParams,
-                         paged=None):
+                         paged=None, keep_refusal: bool = False):
   """The continuous engine's programs (`rollout/slot_programs.py`) lowered as the trainer's
   `ContinuousSampler` runs them: its state (`init`: the slots' KV cache, or with ``paged`` (a
   `PagedSpec`) the page pools and tables, and the prompt queue),
@@ -352,7 +369,7 @@ def _continuous_programs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: Sampl
   entry at a time) and a chunk of decode steps with in-loop admission. Returns a dict with the
   slot and queue sizes, the rollout parameters' bytes per device and either the lowered
   `enqueue` and `chunk` with the engine state's bytes per device, or the compiler's OOM for
-  the state."""
+  the state (with ``keep_refusal``, `_compile`'s refusal too)."""
   from dapo_jax.rollout import (
     continuous,  # pylint: disable=g-import-not-at-top
     engine_programs,  # pylint: disable=g-import-not-at-top
@@ -371,11 +388,11 @@ def _continuous_programs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: Sampl
   init = prog.init_program.lower(
       state, graphdef=graphdef, num_slots=sampler.num_slots, queue_size=q, num_samples=g,
       prompt_length=prompt_slots, cache_length=prompt_slots + r, mesh=prog_mesh, paged=paged)
-  init_compiled, oom, _ = _compile(init)
+  init_compiled, oom, _ = _compile(init, keep_refusal)
   info = {"slots": sampler.num_slots, "enqueue_rows": 1, "queue_prompts": q,
           "chunk_steps": sampler.chunk_steps, "params": shd.per_device_bytes(state, state_sh)}
   if init_compiled is None:
-    return info | {"oom": oom}
+    return info | {"failure": oom}
   sds, rep = jax.ShapeDtypeStruct, NamedSharding(mesh, PartitionSpec())
   out_sh = init_compiled.output_shardings
   if mesh.devices.size == 1:  # a one-chip compile reports its outputs on the host's CPU device
@@ -400,8 +417,8 @@ def compile_continuous(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: Samplin
   one decode step with admission, counted once)."""
   progs = _continuous_programs(spec, mcfg, mesh, sp)
   info = {k: progs[k] for k in ("slots", "enqueue_rows", "queue_prompts", "chunk_steps")}
-  if "oom" in progs:
-    return info | {"oom": progs["oom"]}
+  if "failure" in progs:
+    return info | {"oom": progs["failure"]}
   return info | {"enqueue": _lower_and_cost(progs["enqueue"]),
                  "decode_chunk": _lower_and_cost(progs["chunk"])}
 
@@ -412,7 +429,7 @@ def compile_continuous_rollout(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp:
   the rollout parameters and the engine state (the slots' KV cache at the full prompt +
   response length, which never grows, or with ``paged`` the page pools, and the prompt
   queue)."""
-  progs = _continuous_programs(spec, mcfg, mesh, sp, paged)
+  progs = _continuous_programs(spec, mcfg, mesh, sp, paged, keep_refusal=True)
   parts = {"params": progs["params"], "engine_state": progs.get("engine_bytes", 0),
            "other_temp": 0, "outputs": 0}
   info = {"slots": progs["slots"], "queue_prompts": progs["queue_prompts"]}
@@ -420,9 +437,9 @@ def compile_continuous_rollout(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp:
     info["paged"] = {"pages_per_shard": paged.num_pages, "page_size": paged.page_size,
                      "shards": paged.shards,
                      "impl": attention_impl_on_target(paged.impl, mcfg.dim_per_head)}
-  if "oom" in progs:  # the state alone does not fit
-    return _summary(None, progs["oom"], 0.0, parts, "engine_state", temp_known=0) | info
-  compiled, oom, seconds = _compile(progs["chunk"])
+  if "failure" in progs:  # the state alone does not fit (or its program is refused)
+    return _summary(None, progs["failure"], 0.0, parts, "engine_state", temp_known=0) | info
+  compiled, oom, seconds = _compile(progs["chunk"], keep_refusal=True)
   if compiled is not None:
     mem = _mem(compiled)
     parts["other_temp"], parts["outputs"] = mem["temp"], max(mem["output"] - mem["alias"], 0)

@@ -31,7 +31,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                                              for k, v in fl.items()))
   t, r = plan["train"], plan["rollout"]
   how = lambda part: ("peak (compiled)" if "memory" in part else
-                      "peak (compiler OOM)" if "oom" in part else "peak (estimate)")
+                      "peak (compiler OOM)" if "oom" in part else
+                      "peak (refused: no temp)" if "refused" in part else "peak (estimate)")
   programs = [("train  ", t), ("rollout", r)]
   if "continuous_rollout" in plan:  # the configured engine's rollout, then the static sampler's
     c = plan["continuous_rollout"]
@@ -53,7 +54,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"    phase {name:<24}{g(b)}")
   cap = plan["hbm_bytes"]
   verdict = ("unknown capacity" if cap is None else
-             f"{'FITS' if plan['fits'] else 'DOES NOT FIT'} in {cap / GiB:.1f} GiB")
+             f"fit in {cap / GiB:.1f} GiB unknown: a program was refused" if plan["fits"] is None
+             else f"{'FITS' if plan['fits'] else 'DOES NOT FIT'} in {cap / GiB:.1f} GiB")
   lines.append(f"  peak {g(plan['peak_bytes'])} per device: {verdict}")
   pk = plan.get("packing")
   if pk:  # optim.packing, at the plan's length mix (plan_packing)
@@ -83,6 +85,9 @@ def format_plan(plan: dict[str, Any]) -> str:
       o = part["oom"]
       lines.append(f"  the compiler refused the {name}: {o['what']} need "
                    f"{o['required'] / GiB:.2f} GiB, {o['available'] / GiB:.2f} GiB available")
+    if "refused" in part:  # not for HBM: `plan.refusals` gives the command's error line
+      lines.append(f"  the compiler refused the {name} ({part['refused']['program']}): "
+                   f"{part['refused']['what']}")
   if "compile_seconds" in t:
     extra = (f", continuous engine {plan['continuous_rollout']['compile_seconds']:.0f} s"
              if "continuous_rollout" in plan else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import logging
 import types
 import typing
 from typing import Any, Mapping
@@ -23,6 +24,7 @@ import ml_collections
 from dapo_jax import config as config_lib
 from dapo_jax.trainer.train_step import TrainConfig
 
+_log = logging.getLogger(__name__)
 Mesh = tuple[tuple[str, int], ...]  # ((axis, size), ...); one size may be -1
 
 
@@ -252,10 +254,13 @@ class RunSpec:
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, num_devices: int | None = None
                   ) -> RunSpec:
-    """Validates ``config`` (`dapo_jax.config.validate`: one line naming a bad field) and reads
-    it into a spec. Keys an older ``config.json`` lacks take today's defaults."""
+    """Validates ``config`` (`dapo_jax.config.validate`: one line naming a bad field), logs the
+    choices it allows that change the run unasked (`config.notes`), and reads it into a spec.
+    Keys an older ``config.json`` lacks take today's defaults."""
     config = with_defaults(config)
     config_lib.validate(config, num_devices)
+    for note in config_lib.notes(config):
+      _log.warning(note)
     return _read(cls, config, "")
 
   @classmethod

@@ -85,6 +85,7 @@ def load_policy(spec: RunSpec, *, workdir: str | None = None, step: int | None =
   if not m.checkpoint:
     raise ValueError("No weights to load: set --config.model.checkpoint=<HF directory> or pass "
                      "--workdir=<a dapo-train workdir>.")
+  run_setup.model_config(m, tok.kind, tokenizer)  # refuses a vocabulary the tokenizer misreads
   model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
                           **run_setup.model_runtime(m))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -98,12 +99,12 @@ def lora_parts(spec: RunSpec, tokenizer, workdir: str, step: int | None, mesh: M
   from ``workdir``'s Orbax checkpoint ``step`` (default the newest readable one)."""
   from dapo_jax.checkpoints.hf import load_pretrained  # pylint: disable=g-import-not-at-top
   m = spec.model
+  mcfg = run_setup.model_config(m, spec.tokenizer.kind, tokenizer)  # the vocabulary checked first
   if m.checkpoint:
     model = load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, rules=rules,
                             **run_setup.model_runtime(m))
   else:
-    model = create_model(run_setup.model_config(m, spec.tokenizer.kind, tokenizer),
-                         seed=spec.seed, mesh=mesh, rules=rules)
+    model = create_model(mcfg, seed=spec.seed, mesh=mesh, rules=rules)
   graphdef, base, rest = nnx.split(model, nnx.Param, ...)
   adapters, step = restore_adapters(m, spec.seed, model, workdir, step, mesh, rules, base=base)
   return graphdef, base, rest, adapters, step

@@ -33,7 +33,7 @@ from dapo_jax.rollout.weights import MergedRolloutWeights, RolloutWeights
 from dapo_jax.spec.run_spec import (ArithmeticSpec, DataSpec, EvalSpec, ModelSpec, RolloutSpec,
                                    RunSpec, TokenizerSpec)
 from dapo_jax.spec.run_spec import Mesh as MeshAxes
-from dapo_jax.tokenizers import CharTokenizer, load_tokenizer
+from dapo_jax.tokenizers.choice import check_vocabulary, choose_tokenizer
 from dapo_jax.trainer.trajectories import ScoredGroup
 from dapo_jax.trainer.train_step import (LogProbForward, TrainConfig, TrainState, TrainStep,
                                  init_train_state)
@@ -67,17 +67,11 @@ def build_rollout_mesh(axes: MeshAxes, dcn_mesh: str, train_mesh: Mesh | None,
 
 
 def build_tokenizer(tok: TokenizerSpec, checkpoint: str = ""):
-  """The tokenizer ``tok`` names; its files are ``tok.path``, else the model's ``checkpoint``."""
-  kind, path = tok.kind, tok.path or checkpoint
-  if kind == "char":
-    if path and (run_files.resolve(path) / CharTokenizer.FILE_NAME).exists():
-      return CharTokenizer.load(path)
-    return CharTokenizer()
-  if kind in ("qwen2.5", "qwen2.5-math"):
-    return load_tokenizer(None, fallback=kind)
-  if kind == "hf":
-    return load_tokenizer(path, fallback=None)
-  return load_tokenizer(path or None, fallback="qwen2.5")
+  """The tokenizer ``tok`` names; its files are ``tok.path``, else the model's ``checkpoint``.
+  Logs which one it chose and why (`model_config` then checks the model's vocabulary fits it)."""
+  tokenizer, line, fell_back = choose_tokenizer(tok.kind, tok.path, checkpoint)
+  (_log.warning if fell_back else _log.info)(line)
+  return tokenizer
 
 
 def model_runtime(m: ModelSpec) -> dict[str, Any]:
@@ -92,25 +86,28 @@ def model_runtime(m: ModelSpec) -> dict[str, Any]:
 
 def model_config(m: ModelSpec, tokenizer_kind: str, tokenizer) -> Qwen2Config:
   """The architecture: the checkpoint's config.json, else the preset plus overrides (the
-  vocabulary: the tokenizer's for ``tokenizer_kind`` "char", else at least the preset's)."""
+  vocabulary: the tokenizer's for ``tokenizer_kind`` "char", else at least the preset's); a
+  vocabulary the tokenizer does not fit is refused (`check_vocabulary`)."""
   if m.checkpoint:
-    return Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(m))
+    cfg = Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(m))
+    check_vocabulary(cfg.vocab_size, tokenizer, f"model.checkpoint={m.checkpoint}", True)
+    return cfg
   overrides = dict(m.overrides)
   overrides.setdefault("vocab_size", max(tokenizer.vocab_size, get_preset(m.preset).vocab_size)
                        if tokenizer_kind != "char" else tokenizer.vocab_size)
   cfg = get_preset(m.preset, **model_runtime(m), **overrides)
-  if cfg.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                     f"{tokenizer.vocab_size}; set config.model.overrides.vocab_size.")
+  check_vocabulary(cfg.vocab_size, tokenizer, f"model.preset={m.preset}", False)
   return cfg
 
 
 def build_model(m: ModelSpec, tokenizer_kind: str, tokenizer, mesh: Mesh | None, seed: int):
   """The model: ``m.checkpoint``'s weights, else `model_config`'s architecture drawn at
-  ``seed``."""
+  ``seed``; either after `model_config` has checked the vocabulary (before any weight is
+  read)."""
+  cfg = model_config(m, tokenizer_kind, tokenizer)
   if m.checkpoint:
     return load_pretrained(os.path.expanduser(m.checkpoint), mesh=mesh, **model_runtime(m))
-  return create_model(model_config(m, tokenizer_kind, tokenizer), seed=seed, mesh=mesh)
+  return create_model(cfg, seed=seed, mesh=mesh)
 
 
 def _arith_config(a: ArithmeticSpec) -> arithmetic.ArithmeticConfig:
@@ -272,9 +269,10 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   else:  # both meshes over this side's devices, laid out as the one-process split lays them
     train_devices = rollout_devices = jax.devices()
   mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
-  tokenizer = build_tokenizer(spec.tokenizer, spec.model.checkpoint)
+  tok = spec.tokenizer
+  tokenizer, tokenizer_line, fell_back = choose_tokenizer(tok.kind, tok.path, spec.model.checkpoint)
   model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
-  _log.info(describe(spec.model, model))
+  (_log.warning if fell_back else _log.info)("%s; %s", describe(spec.model, model), tokenizer_line)
   fallback = attention_fallback(spec.sizes.max_length, model.config, jax.default_backend())
   if fallback:
     _log.warning(fallback)
