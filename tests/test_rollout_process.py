@@ -201,3 +201,79 @@ def test_a_rollout_process_on_another_lora_base_stops_the_run_in_one_line(tmp_pa
   finally:
     train.close()
     rollout.close()
+
+
+def _within(fn, timeout_s=30.0):
+  """``fn()``'s result, or a failed test after ``timeout_s`` (a hang fails, never stalls)."""
+  out = []
+
+  def call():
+    try:
+      out.append((True, fn()))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      out.append((False, e))
+
+  t = threading.Thread(target=call, daemon=True)
+  t.start()
+  t.join(timeout_s)
+  assert out, f"no answer within {timeout_s:.0f} s: the two sides wait on each other"
+  ok, value = out[0]
+  if not ok:
+    raise value
+  return value
+
+
+def _rollout_side(link, fail_at=None, fail_with=None, evals=None):
+  """`rp.serve` on a thread, over a fake rollout: a batch is (step, version, the weights' sum
+  it was sampled with); ``fail_at``'s batch raises ``fail_with()``. Evaluations score the
+  pulled weights' sum (appended to ``evals``). Returns (thread, what serve raised)."""
+  drawn = []
+
+  def sample(weights, step, version, newest, check):
+    del newest, check
+    if step == fail_at:
+      raise fail_with()
+    drawn.append(step)
+    return (step, version, float(jnp.sum(weights["w"])))
+
+  def evaluator(weights, step):
+    score = float(jnp.sum(weights["w"]))
+    if evals is not None:
+      evals.append((step, score))
+    return {"eval/score": score}
+
+  raised = []
+
+  def run():
+    try:
+      rp.serve(link, sample, lambda: {"drawn": list(drawn)}, lambda resume: None, evaluator,
+               None)
+    except BaseException as e:  # pylint: disable=broad-except  (the test reads it)
+      raised.append(e)
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  return t, raised
+
+
+def _remote(link, start, end, save_every=2, params=None):
+  return rp.RemoteExperience(link, lambda p: p, max_staleness=1, start_step=start,
+                             num_steps=end, save_every=save_every,
+                             params={"w": jnp.zeros(3)} if params is None else params,
+                             partial=False, resume=None)
+
+
+def test_a_finished_run_relaunched_evaluates_and_stops(tmp_path):
+  """start_step == num_steps (a requeued job after the last step): no batch and no weights
+  are sent; the final evaluation is answered at once and both sides stop."""
+  train, rollout = _pair(str(tmp_path))
+  t, raised = _rollout_side(rollout)
+  try:
+    source = _remote(train, 4, 4)
+    params = {"w": jnp.full(3, 2.0)}
+    assert _within(lambda: source.evaluate(params, 4)) == {"eval/score": 6.0}
+    source.close()
+    t.join(10)
+    assert not t.is_alive() and not raised
+  finally:
+    train.close(), rollout.close()

@@ -179,6 +179,8 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
                        "and model.lora)")
         if cfg["resume"]:
           restore(cfg["resume"])
+        if cfg["start_step"] >= cfg["num_steps"]:
+          continue  # a finished run relaunched: no batch, no weights; evaluations run at once
         first = link.wait("weights", cfg["start_step"])[2]
         source = exp_lib.OverlappedExperience(
             sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
