@@ -193,6 +193,26 @@ def test_tasks_run_on_the_rollout_thread_between_the_batches_they_name():
   assert seen == [(1, 3, "dapo-rollout"), (6, 6, "dapo-rollout")]  # after batch 2, after all
 
 
+def test_a_task_after_a_batch_that_fails_still_runs():
+  """An evaluation placed after batch 3 (a rollout group's place for version 2 at k = 1,
+  save_every 2) runs although batch 2 fails (a dataset-exhausted stop): the trainer waits for
+  its answer before it asks for batch 2, and then meets the error there."""
+  src, _ = _source(1, end=4, save_every=2, fail_at=2)
+  ran = threading.Event()
+  try:
+    src.next(0, None)
+    src.updated(1, jnp.asarray(1))
+    src.next(1, None)
+    assert experience.last_batch_sampled_by(2, 1, 2, 0, 4) == 3
+    src.run_after(3, ran.set)
+    src.updated(2, jnp.asarray(2))
+    assert ran.wait(20.0), "the evaluation after batch 3 never ran: batch 2 failed first"
+    with pytest.raises(RuntimeError, match="rollout failed at 2"):
+      src.next(2, None)
+  finally:
+    src.close()
+
+
 def test_a_rollout_error_reaches_the_trainer_at_its_step():
   src, _ = _source(1, end=4, fail_at=1)
   try:

@@ -17,7 +17,8 @@ import pytest
 from dapo_jax.infra import peer_link
 from dapo_jax.infra.peer_link import Link, PeerError
 from dapo_jax.trainer import rollout_process as rp
-from dapo_jax.trainer.dynamic_sampling import MaxGenBatchesExceededError, SamplingStats
+from dapo_jax.trainer.dynamic_sampling import (DatasetExhaustedError, MaxGenBatchesExceededError,
+                                               SamplingStats)
 from tests import processes
 
 
@@ -272,6 +273,32 @@ def test_a_finished_run_relaunched_evaluates_and_stops(tmp_path):
     source = _remote(train, 4, 4)
     params = {"w": jnp.full(3, 2.0)}
     assert _within(lambda: source.evaluate(params, 4)) == {"eval/score": 6.0}
+    source.close()
+    t.join(10)
+    assert not t.is_alive() and not raised
+  finally:
+    train.close(), rollout.close()
+
+
+@pytest.mark.parametrize("stop", [MaxGenBatchesExceededError, DatasetExhaustedError])
+def test_a_sampling_stop_after_an_evaluation_reaches_the_trainer(tmp_path, stop):
+  """A rollout group evaluates version 2 after batch 3 (k = 1, save_every 2): batch 2's
+  sampling stop must not leave the trainer waiting for that evaluation. It gets the
+  evaluation, then the stop with what was gathered at step 2 (which it checkpoints)."""
+  train, rollout = _pair(str(tmp_path))
+  make = lambda: stop("stopped at 2", groups=[1], stats=SamplingStats())  # noqa: E731
+  evals = []
+  t, raised = _rollout_side(rollout, fail_at=2, fail_with=make, evals=evals)
+  try:
+    source = _remote(train, 0, 4)
+    for step in (0, 1):
+      assert _within(lambda s=step: source.next(s, None)).batch[0] == step
+      source.updated(step + 1, {"w": jnp.full(3, step + 1.0)})
+    got = _within(lambda: rp.evaluate(train, lambda p: p, {"w": jnp.full(3, 5.0)}, 2, after=3))
+    assert got == {"eval/score": 15.0} and evals == [(2, 15.0)]
+    with pytest.raises(stop, match="stopped at 2") as err:
+      _within(lambda: source.next(2, None))
+    assert err.value.groups == [1]
     source.close()
     t.join(10)
     assert not t.is_alive() and not raised
