@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import jax
@@ -423,3 +424,68 @@ def test_sides_of_two_processes_each_pair_process_by_process(tmp_path, whole_spl
 # Host-side decisions of a step: the same on any process layout (test_multiprocess.py).
 _DECISIONS = ("sampling/", "train/", "response/", "reward/", "staleness/", "data/", "eval/",
               "sync/")
+
+
+_CLI_CONFIG = """
+from tests.test_overlap import _overlap_config
+
+
+def get_config():
+  c = _overlap_config({steps})
+  c.rollout_devices, c.checkpoint.save_every = 0, 100  # a save only where a run stops
+  return c
+"""
+
+
+def _cli_side(role, cfg, workdir, peer, log=subprocess.PIPE):
+  """One side as a user starts it: ``dapo-train --role ...`` (`dapo_jax.main`), its output in
+  ``log``."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen(
+      [sys.executable, "-m", "dapo_jax.main", f"--config={cfg}", f"--workdir={workdir}",
+       f"--role={role}", f"--peer={peer}"], cwd=root,
+      env=processes.process_env(root, 4, {}), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _rows(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  return [json.loads(line)["step"] for line in open(path) if line.strip()]
+
+
+def test_a_side_killed_ends_the_other_in_one_line_and_the_run_resumes(tmp_path):
+  """kill -9 of the rollout process mid-run: the training process saves the step it reached
+  (no periodic checkpoint before it) and ends in one line (which side went, the step, the
+  checkpoint, how to relaunch), exit 2, no traceback; the relaunch of both resumes there and
+  logs every step once."""
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(_CLI_CONFIG.format(steps=6))
+  workdir = str(tmp_path / "run")
+  logs = {side: open(tmp_path / f"{side}.log", "w") for side in ("rollout", "train")}
+  peer = f"127.0.0.1:{processes.free_port()}"
+  procs = {side: _cli_side(side, cfg, workdir, peer, logs[side]) for side in logs}
+  try:
+    deadline = time.monotonic() + 600
+    while not _rows(workdir) or _rows(workdir)[-1] < 1:
+      assert time.monotonic() < deadline and procs["train"].poll() is None, "no step logged"
+      time.sleep(0.2)
+    procs["rollout"].kill()
+    assert procs["train"].wait(120) == 2
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+  out = (tmp_path / "train.log").read_text()
+  last = out.strip().splitlines()[-1]
+  assert "Traceback" not in out, out[-3000:]
+  reached = _rows(workdir)[-1]
+  assert last.startswith("dapo-train: error: The rollout process has gone (") and (
+      f"with the training process at step {reached}. Step {reached} is saved in " in last and
+      "relaunch both processes (--role=train and --role=rollout)" in last), last
+  assert 0 < reached < 6 and os.listdir(os.path.join(workdir, "checkpoints")) == [str(reached)]
+  peer = f"127.0.0.1:{processes.free_port()}"
+  processes.wait_all([_cli_side(side, cfg, workdir, peer) for side in ("rollout", "train")],
+                     stall_s=600, what="process", watch=[workdir])
+  rows = _rows(workdir)
+  assert [s for s in rows if s > 0] == [1, 2, 3, 4, 5, 6] and rows.count(0) == 1, rows

@@ -130,7 +130,7 @@ def test_weights_are_pulled_by_key_in_any_order(tmp_path):
   finally:
     train.close()
     rollout.close()
-  with pytest.raises(PeerError, match="the other process has gone"):
+  with pytest.raises(PeerError, match="the rollout process has gone"):
     train.recv()
 
 
@@ -302,5 +302,27 @@ def test_a_sampling_stop_after_an_evaluation_reaches_the_trainer(tmp_path, stop)
     source.close()
     t.join(10)
     assert not t.is_alive() and not raised
+  finally:
+    train.close(), rollout.close()
+
+
+def test_the_training_process_gone_ends_the_rollout_process_in_one_line(tmp_path):
+  """The training process killed mid-run: the rollout process ends with one line naming the
+  side that went, the step it had reached, that nothing is saved here, and the relaunch."""
+  train, rollout = _pair(str(tmp_path))
+  t, raised = _rollout_side(rollout)
+  try:
+    source = _remote(train, 0, 4)
+    _within(lambda: source.next(0, None))
+    source.updated(1, {"w": jnp.ones(3)})
+    _within(lambda: source.next(1, None))
+    train.close()  # what kill -9 leaves: the connection ends
+    t.join(20)
+    assert not t.is_alive() and len(raised) == 1
+    assert isinstance(raised[0], rp.SideGoneError) and raised[0].one_line
+    msg = str(raised[0])
+    assert "\n" not in msg and msg.startswith("The training process has gone (EOFError) at step 1.")
+    assert "at step 1. This process saves nothing" in msg
+    assert "relaunch both processes (--role=train and --role=rollout)" in msg
   finally:
     train.close(), rollout.close()

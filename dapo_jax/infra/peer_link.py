@@ -50,7 +50,15 @@ CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading
 
 
 class PeerError(RuntimeError):
-  """The other process could not be reached, or ended."""
+  """The other process could not be reached, or ended. A user's answer, not a bug: the
+  command line prints it in one line (``one_line``, `spec.cli.exit_on_error`)."""
+
+  one_line = True
+
+
+class PeerGone(PeerError):
+  """The link ended under a send or a receive: the other process exited, was killed or lost
+  its connection."""
 
 
 class PeerAddressError(ValueError):
@@ -164,9 +172,10 @@ class Link:
   """One end of the two channels. ``Link.listen`` on the training process, ``Link.connect`` on
   the rollout process; each then knows the other's device count and transfer address."""
 
-  def __init__(self, conn: connection.Connection, host: str):
+  def __init__(self, conn: connection.Connection, host: str, other: str = "the other process"):
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self._conn, self._send_lock = conn, threading.Lock()
+    self.other = other  # "the rollout process" / "the training process": which side went
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
@@ -214,7 +223,7 @@ class Link:
                       "--workdir)")
     if isinstance(got[0], BaseException):
       raise PeerError(f"the rollout process's connection to {peer} failed: {got[0]}")
-    return cls(got[0], host)
+    return cls(got[0], host, "the rollout process")
 
   @classmethod
   def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
@@ -241,7 +250,7 @@ class Link:
           raise PeerError(f"the training process at {where} did not answer within "
                           f"{timeout_s:.0f} s ({e})") from e
         time.sleep(1.0)
-    return cls(conn, _local_address(host))
+    return cls(conn, _local_address(host), "the training process")
 
   def send(self, msg: tuple) -> int:
     """Sends ``msg``; its size in bytes, pickled."""
@@ -250,7 +259,7 @@ class Link:
       try:
         self._conn.send_bytes(data)  # what Connection.send sends: `recv` reads it
       except (OSError, EOFError) as e:
-        raise PeerError(f"the other process has gone ({e})") from e
+        raise self._gone(e) from e
     return len(data)
 
   def recv(self) -> tuple:
@@ -258,7 +267,10 @@ class Link:
     try:
       return self._conn.recv()
     except (OSError, EOFError) as e:
-      raise PeerError(f"the other process has gone ({e})") from e
+      raise self._gone(e) from e
+
+  def _gone(self, e: BaseException) -> PeerGone:
+    return PeerGone(f"{self.other} has gone ({str(e) or type(e).__name__})")
 
   def wait(self, kind: str, key: Any) -> tuple:
     """The first message ``(kind, key, payload)``; others that come first are kept for later."""
@@ -268,7 +280,7 @@ class Link:
     while True:
       msg = self.recv()
       if msg[0] == "error":
-        raise PeerError(f"the rollout process stopped: {msg[2]}")
+        raise PeerError(f"{self.other} stopped: {msg[2]}")
       if msg[:2] == (kind, key):
         return msg
       self._inbox.append(msg)

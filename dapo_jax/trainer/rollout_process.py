@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from typing import Any, Callable
 
 import jax
 
-from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, process_peer
+from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, PeerGone, process_peer
 from dapo_jax.trainer import experience as exp_lib
+
+_log = logging.getLogger(__name__)
 
 ROLES = ("both", "train", "rollout")
 _EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (sampling: version)
@@ -48,6 +51,15 @@ _EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (samp
 
 class RoleError(ValueError):
   """``--role`` / ``--peer`` do not fit the run (one line: what to change)."""
+
+
+class SideGoneError(PeerError):
+  """The other side of a split has gone or stopped: this side ends in one line saying which
+  side, at which step, what was saved and how to relaunch (a non-zero exit, no traceback)."""
+
+
+RELAUNCH = ("relaunch both processes (--role=train and --role=rollout) with the same --config "
+            "and --workdir to resume")
 
 
 def check_role(role: str, peer: str, spec) -> None:
@@ -82,6 +94,8 @@ class RemoteExperience:
                lora_base: dict[str, Any] | None = None):
     self.link, self._to_rollout, self.max_staleness = link, to_rollout, max_staleness
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
+    self.last_resume: dict[str, Any] | None = None  # the last batch's (None: none this launch)
+    self._gone: PeerError | None = None  # the link ended where the loop could not be told
     link.send(("start", None, {"start_step": start_step, "num_steps": num_steps,
                                "save_every": save_every, "max_staleness": max_staleness,
                                "partial": partial, "resume": resume, "lora_base": lora_base}))
@@ -89,6 +103,8 @@ class RemoteExperience:
 
   def next(self, step: int, params: Any) -> exp_lib.Experience:
     del params
+    if self._gone is not None:
+      raise self._gone
     t0 = time.perf_counter()
     _, _, out = self.link.wait("experience", step)
     if isinstance(out, BaseException):
@@ -96,13 +112,20 @@ class RemoteExperience:
     _, _, nbytes = self.link.wait("sent", step)  # the batch's size, as the rollout sent it
     out.times["trainer_idle"] = time.perf_counter() - t0
     out.times["batch_bytes"] = float(nbytes)
+    self.last_resume = out.resume_state
     return out
 
   def updated(self, step: int, params: Any) -> None:
-    if not exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
-                                  self._end):
+    if self._gone is not None:
       return
-    self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
+    try:
+      if exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
+                                self._end):
+        self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
+      else:  # the step reached, for the rollout process's last word if this one goes
+        self.link.send(("step", step, None))
+    except PeerError as e:  # raised by the next `next`, once the step reached is logged
+      self._gone = e
 
   def evaluate(self, params: Any, step: int) -> dict[str, float]:
     """The rollout process's evaluation of ``params`` (version ``step``). On one process it
@@ -113,7 +136,15 @@ class RemoteExperience:
     if jax.process_count() > 1:
       after = exp_lib.last_batch_sampled_by(step, self.max_staleness, self._save_every,
                                             self._start, self._end)
-    return evaluate(self.link, self._to_rollout, params, step, after)
+    if self._gone is None or step >= self._end:
+      try:
+        return evaluate(self.link, self._to_rollout, params, step, after)
+      except PeerError as e:
+        if step >= self._end:  # the run's last evaluation: the loop has saved the last step
+          raise
+        self._gone = e  # raised by the next `next`, once this step is logged and saved
+    _log.warning("Step %d's evaluation is lost: %s.", step, self._gone)
+    return {}
 
   @contextlib.contextmanager
   def exclusive(self):
@@ -154,6 +185,7 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   LoRA), which must be the training process's."""
   source: exp_lib.OverlappedExperience | None = None
   receive = receive or (lambda moved: moved)
+  at = None  # the training process's step reached: the newest weights it sent
 
   def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
     return link.pull(offer, mesh)[0]
@@ -177,6 +209,7 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
         base_lib.check("the training process", cfg["lora_base"], lora_base,
                        "start both processes with the same --config (model.checkpoint, seed "
                        "and model.lora)")
+        at = cfg["start_step"]
         if cfg["resume"]:
           restore(cfg["resume"])
         if cfg["start_step"] >= cfg["num_steps"]:
@@ -190,9 +223,16 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
         threading.Thread(target=_send_batches, name="dapo-rollout-send", daemon=True,
                          args=(link, source, cfg["start_step"], cfg["num_steps"])).start()
       elif kind == "weights":
+        at = msg[1]
         source.updated(msg[1], msg[2])
+      elif kind == "step":
+        at = msg[1]
       else:
         raise PeerError(f"unexpected message {kind!r} from the training process")
+  except PeerGone as e:  # nobody left to tell
+    raise SideGoneError(
+        f"{str(e)[0].upper()}{str(e)[1:]} at step {at}. This process saves nothing: the "
+        f"training process writes the checkpoints; {RELAUNCH} from its newest.") from None
   except BaseException as e:
     with contextlib.suppress(PeerError):  # the trainer stops with this process's reason
       link.send(("error", None, f"{type(e).__name__}: {e}"))

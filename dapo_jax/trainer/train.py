@@ -184,6 +184,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           exp = source.next(step, state.params)
         except DynamicSamplingError as err:
           raise _sampling_stopped(err, step, spec, run, state) from err
+        except rollout_process.PeerError as err:  # --role=train: the rollout process went
+          raise _rollout_gone(err, step, run, state, source) from None
         traj, ds_stats, diag = exp.batch
         adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
@@ -228,7 +230,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return {**result, "stopped_at_step": float(step + 1)}
     _last_save_landed(run, spec.num_steps, state)
     if evaluating and not any(k.startswith("eval/") for k in result):
-      final = evaluate(state.params, spec.num_steps)
+      try:
+        final = evaluate(state.params, spec.num_steps)
+      except rollout_process.PeerError as err:  # its step is saved: a relaunch evaluates it
+        raise _rollout_gone(err, spec.num_steps, run, state, source) from None
       writer.write_scalars(spec.num_steps, final)
       result.update(final)
     writer.flush()
@@ -508,6 +513,8 @@ class SamplingStoppedError(RuntimeError):
   next launch on the same workdir (e.g. with a higher limit) starts from them.
   """
 
+  one_line = True  # what to change, not a bug: dapo-train prints it in one line
+
 
 def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: run_setup.Run,
                       state: TrainState) -> SamplingStoppedError:
@@ -532,6 +539,30 @@ def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: 
       f"Dynamic sampling stopped at step {step}: {what}. The {len(err.groups)} group(s) "
       f"gathered are saved with a checkpoint of step {step} in {run.checkpointer.directory} and "
       "are used first when the run is relaunched on the same --workdir.")
+
+
+def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
+                  state: TrainState, source) -> rollout_process.SideGoneError:
+  """The rollout process has gone or stopped with the trainer at ``step``: what was trained
+  this launch is saved at the step reached (as a SIGTERM stop saves it; one process a side:
+  on several, the others may not know yet) and one line says what to do."""
+  last = getattr(source, "last_resume", None)  # the last trained batch's data state
+  run.checkpointer.wait_until_finished()  # a save under way lands first
+  if (last is not None and run.checkpointer.latest_step() != step
+      and jax.process_count() == 1):
+    _save(run, step, state, resume=last)
+    run.checkpointer.wait_until_finished()
+  newest = run.checkpointer.latest_step()
+  if newest == step:
+    saved = f"Step {step} is saved in {run.checkpointer.directory}"
+  elif newest is None:
+    saved = "No checkpoint is saved yet"
+  else:
+    saved = f"The newest checkpoint is step {newest} in {run.checkpointer.directory}"
+  text = str(err)
+  return rollout_process.SideGoneError(
+      f"{text[0].upper()}{text[1:]} with the training process at step {step}. {saved}; "
+      f"{rollout_process.RELAUNCH} from it.")
 
 
 def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
