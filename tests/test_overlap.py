@@ -4,6 +4,7 @@ that reproduces itself across a kill and resume."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -454,38 +455,59 @@ def _rows(workdir):
   return [json.loads(line)["step"] for line in open(path) if line.strip()]
 
 
-def test_a_side_killed_ends_the_other_in_one_line_and_the_run_resumes(tmp_path):
-  """kill -9 of the rollout process mid-run: the training process saves the step it reached
-  (no periodic checkpoint before it) and ends in one line (which side went, the step, the
-  checkpoint, how to relaunch), exit 2, no traceback; the relaunch of both resumes there and
-  logs every step once."""
-  cfg = tmp_path / "cfg.py"
-  cfg.write_text(_CLI_CONFIG.format(steps=6))
-  workdir = str(tmp_path / "run")
-  logs = {side: open(tmp_path / f"{side}.log", "w") for side in ("rollout", "train")}
+def _launch_until(tmp_path, cfg, workdir, name, after_row, end):
+  """Both sides by the command line, until the training process logs step ``after_row``;
+  then ``end(procs)``. Their output: ``<name>.train.log``, ``<name>.rollout.log``."""
+  logs = {side: open(tmp_path / f"{name}.{side}.log", "w") for side in ("rollout", "train")}
   peer = f"127.0.0.1:{processes.free_port()}"
   procs = {side: _cli_side(side, cfg, workdir, peer, logs[side]) for side in logs}
   try:
     deadline = time.monotonic() + 600
-    while not _rows(workdir) or _rows(workdir)[-1] < 1:
+    while not _rows(workdir) or _rows(workdir)[-1] < after_row:
       assert time.monotonic() < deadline and procs["train"].poll() is None, "no step logged"
       time.sleep(0.2)
-    procs["rollout"].kill()
-    assert procs["train"].wait(120) == 2
+    end(procs)
   finally:
     for p in procs.values():
       if p.poll() is None:
         p.kill()
-  out = (tmp_path / "train.log").read_text()
+  return {side: (tmp_path / f"{name}.{side}.log").read_text() for side in logs}
+
+
+def test_a_side_stopped_or_killed_loses_no_step_and_the_run_resumes(tmp_path):
+  """SIGTERM on the rollout process alone (its host preempted): the training process
+  checkpoints the step it reaches and both exit 0. Then kill -9 of the rollout process: the
+  training process saves the step it reached (no periodic checkpoint: save_every 100) and ends
+  in one line (which side went, the step, the checkpoint, how to relaunch), exit 2, no
+  traceback. The relaunch of both logs every step once."""
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(_CLI_CONFIG.format(steps=8))
+  workdir = str(tmp_path / "run")
+  ckpts = lambda: sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")))  # noqa: E731
+
+  def sigterm(procs):
+    procs["rollout"].send_signal(signal.SIGTERM)
+    assert procs["rollout"].wait(120) == 0 and procs["train"].wait(120) == 0
+
+  out = _launch_until(tmp_path, cfg, workdir, "term", 1, sigterm)
+  first = _rows(workdir)[-1]
+  assert 0 < first < 8 and ckpts() == [first], (first, ckpts())
+  assert f"Stopped at step {first} on request; checkpoint written" in out["train"]
+
+  def kill(procs):
+    procs["rollout"].kill()
+    assert procs["train"].wait(120) == 2
+
+  out = _launch_until(tmp_path, cfg, workdir, "kill", first + 1, kill)["train"]
   last = out.strip().splitlines()[-1]
   assert "Traceback" not in out, out[-3000:]
   reached = _rows(workdir)[-1]
   assert last.startswith("dapo-train: error: The rollout process has gone (") and (
       f"with the training process at step {reached}. Step {reached} is saved in " in last and
       "relaunch both processes (--role=train and --role=rollout)" in last), last
-  assert 0 < reached < 6 and os.listdir(os.path.join(workdir, "checkpoints")) == [str(reached)]
+  assert first < reached < 8 and ckpts() == [first, reached], (reached, ckpts())
   peer = f"127.0.0.1:{processes.free_port()}"
   processes.wait_all([_cli_side(side, cfg, workdir, peer) for side in ("rollout", "train")],
                      stall_s=600, what="process", watch=[workdir])
   rows = _rows(workdir)
-  assert [s for s in rows if s > 0] == [1, 2, 3, 4, 5, 6] and rows.count(0) == 1, rows
+  assert [s for s in rows if s > 0] == list(range(1, 9)) and rows.count(0) == 1, rows

@@ -3,7 +3,9 @@ channels (infra/peer_link.py), and what crosses them. The two-process run itself
 tests/test_overlap.py."""
 
 import multiprocessing
+import os
 import pickle
+import signal
 import threading
 import time
 import types
@@ -326,3 +328,40 @@ def test_the_training_process_gone_ends_the_rollout_process_in_one_line(tmp_path
     assert "relaunch both processes (--role=train and --role=rollout)" in msg
   finally:
     train.close(), rollout.close()
+
+
+def test_sigterm_on_the_rollout_process_asks_the_trainer_to_stop(tmp_path):
+  """SIGTERM on the rollout process (serving on the main thread, as the command runs it): it
+  keeps serving and tells the training process, whose stop check sees it; the trainer's
+  "stop" then ends it cleanly."""
+  train, rollout = _pair(str(tmp_path))
+  fallback = []  # the test's own handler, where serve installs none (never Python's default)
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: fallback.append(signum))
+  seen = []
+
+  def trainer():
+    try:
+      source = _remote(train, 0, 4)
+      source.next(0, None)
+      os.kill(os.getpid(), signal.SIGTERM)
+      deadline = time.monotonic() + 10
+      while not source.stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+      seen.append(source.stop_requested())
+      source.updated(1, {"w": jnp.ones(3)})  # the rollout process still answers
+      seen.append(source.next(1, None).batch)
+      source.close()
+    except BaseException as e:  # pylint: disable=broad-except  (the test reads it)
+      seen.append(e)
+      train.close()
+
+  t = threading.Thread(target=trainer, daemon=True)
+  t.start()
+  try:
+    sample = lambda weights, step, version, newest, check: step  # noqa: E731
+    rp.serve(rollout, sample, dict, lambda resume: None, None, None)
+    t.join(10)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    train.close(), rollout.close()
+  assert seen == [True, 1] and not fallback, (seen, fallback)

@@ -176,6 +176,8 @@ class Link:
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self._conn, self._send_lock = conn, threading.Lock()
     self.other = other  # "the rollout process" / "the training process": which side went
+    self._inbox: list[tuple] = []
+    self.signalled: int | None = None  # a signal the other process was sent (`signal`)
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
@@ -196,7 +198,6 @@ class Link:
           f"process {jax.process_index()} of {jax.process_count()} reached process "
           f"{hello['process'][0]} of {hello['process'][1]} of the other side: each side needs "
           "the same process count, and --peer's addresses in process order")
-    self._inbox: list[tuple] = []
 
   @classmethod
   def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
@@ -263,11 +264,37 @@ class Link:
     return len(data)
 
   def recv(self) -> tuple:
-    """The next message."""
+    """The next message (a "signal" message is noted in ``signalled``, not returned)."""
+    while True:
+      msg = self._recv()
+      if msg[0] != "signal":
+        return msg
+      self.signalled = msg[2]
+
+  def _recv(self) -> tuple:
     try:
       return self._conn.recv()
     except (OSError, EOFError) as e:
       raise self._gone(e) from e
+
+  def signal(self, signum: int) -> None:
+    """Tells the other process that this one was sent ``signum`` (its ``signalled``); never
+    raises: a signal handler calls it."""
+    def send():
+      with contextlib.suppress(PeerError):
+        self.send(("signal", None, signum))
+    threading.Thread(target=send, name="dapo-peer-signal", daemon=True).start()  # the lock
+
+  def poll_signal(self) -> int | None:
+    """The signal the other process was sent, if its "signal" message has come (messages that
+    came meanwhile are read without waiting and kept for `wait`)."""
+    while self.signalled is None and self._conn.poll(0):
+      msg = self._recv()
+      if msg[0] == "signal":
+        self.signalled = msg[2]
+      else:
+        self._inbox.append(msg)
+    return self.signalled
 
   def _gone(self, e: BaseException) -> PeerGone:
     return PeerGone(f"{self.other} has gone ({str(e) or type(e).__name__})")
@@ -275,6 +302,8 @@ class Link:
   def wait(self, kind: str, key: Any) -> tuple:
     """The first message ``(kind, key, payload)``; others that come first are kept for later."""
     for i, msg in enumerate(self._inbox):
+      if msg[0] == "error":
+        raise PeerError(f"{self.other} stopped: {msg[2]}")
       if msg[:2] == (kind, key):
         return self._inbox.pop(i)
     while True:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import signal
 import threading
 import time
 from typing import Any, Callable
@@ -150,6 +151,15 @@ class RemoteExperience:
   def exclusive(self):
     yield  # the rollout process evaluates between its batches (`evaluate`)
 
+  def stop_requested(self) -> bool:
+    """Whether the rollout process was sent SIGTERM (`serve`): then this run checkpoints at
+    the step reached and stops, as if it had been sent the signal itself."""
+    try:
+      return self.link.poll_signal() is not None
+    except PeerError as e:  # gone: raised by the next `next`, once the step is saved
+      self._gone = e
+      return False
+
   def close(self) -> None:
     with contextlib.suppress(PeerError):
       self.link.send(("stop", None))
@@ -184,6 +194,7 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   pulled); ``lora_base``: this process's frozen base (`checkpoints.lora_base.record`; None: no
   LoRA), which must be the training process's."""
   source: exp_lib.OverlappedExperience | None = None
+  stack = contextlib.ExitStack()
   receive = receive or (lambda moved: moved)
   at = None  # the training process's step reached: the newest weights it sent
 
@@ -191,6 +202,7 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
     return link.pull(offer, mesh)[0]
 
   try:
+    stack.enter_context(_forward_stop_signals(link))
     while True:
       msg = link.recv()
       kind = msg[0]
@@ -238,8 +250,31 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
       link.send(("error", None, f"{type(e).__name__}: {e}"))
     raise
   finally:
+    stack.close()
     if source is not None:
       source.close()
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(link: Link):
+  """SIGTERM (a preempted host, `scancel`) on the rollout process: it tells the training
+  process, which checkpoints at the step reached and says stop, and serves until then (dying
+  at once would take the stop checkpoint with it). Main thread only (Python's signals)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def forward(signum, frame):
+    del frame
+    _log.warning("Received signal %d: the training process checkpoints at the step it reaches "
+                 "and stops this process then.", signum)
+    link.signal(signum)
+
+  previous = signal.signal(signal.SIGTERM, forward)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _evaluate(link: Link, evaluator: Callable[..., dict[str, float]],

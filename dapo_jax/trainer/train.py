@@ -71,6 +71,7 @@ class _StopRequest:
 
   def __init__(self):
     self.signum: int | None = None
+    self.also: Any = None  # () -> bool: a stop asked elsewhere (a rollout process's SIGTERM)
     self._previous = {}
     self._jax_service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
 
@@ -99,12 +100,13 @@ class _StopRequest:
     self.restore()
 
   def requested(self, step: int) -> bool:
+    asked = self.signum is not None or bool(self.also is not None and self.also())
     if jax.process_count() == 1:
-      return self.signum is not None
+      return asked
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    if self._jax_service:
+    if self._jax_service:  # (a rollout process's signal is not seen: JAX's service decides)
       return bool(multihost_utils.reached_preemption_sync_point(step))
-    flags = multihost_utils.process_allgather(np.int32(self.signum is not None))
+    flags = multihost_utils.process_allgather(np.int32(asked))
     return bool(np.any(flags))
 
 
@@ -169,6 +171,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           partial=spec.algorithm.partial_rollouts,
           resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
       evaluate = source.evaluate  # placed among the rollout's batches from now on
+      stop.also = source.stop_requested  # SIGTERM on the rollout process stops here too
     else:
       source = exp_lib.open_source(
           staleness, functools.partial(_sample, spec, run), run.to_rollout,
