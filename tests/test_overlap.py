@@ -511,3 +511,39 @@ def test_a_side_stopped_or_killed_loses_no_step_and_the_run_resumes(tmp_path):
                      stall_s=600, what="process", watch=[workdir])
   rows = _rows(workdir)
   assert [s for s in rows if s > 0] == list(range(1, 9)) and rows.count(0) == 1, rows
+
+
+def test_the_last_save_retried_on_role_train_keeps_the_last_batchs_data_state(tmp_path,
+                                                                             monkeypatch):
+  """--role=train (both sides in this process, the rollout on a thread): the last step's save
+  lost to a storage outage is saved again with the data state of the last batch the rollout
+  drew, the one the lost save held, not this process's iterator (which never moves)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from tests.test_bad_inputs import _saved_meta  # pylint: disable=g-import-not-at-top
+
+  def config():
+    c = _overlap_config(2)
+    c.rollout_devices, c.eval.every, c.checkpoint.save_every = 0, 0, 100
+    return c
+
+  monkeypatch.setattr(train.run_files, "RETRY_WAIT_S", 0.0)
+  lost = []
+  real_save = ocp.CheckpointManager.save
+
+  def lost_once(self, step, *args, **kwargs):  # the storage drops the first save of step 2
+    if step == 2 and not lost:
+      lost.append(kwargs["args"].meta.item)
+      raise ConnectionRefusedError("storage unreachable (test)")
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", lost_once)
+  workdir = str(tmp_path / "run")
+  peer = f"127.0.0.1:{processes.free_port()}"
+  rollout = threading.Thread(target=train_and_evaluate, args=(config(), workdir),
+                             kwargs={"role": "rollout", "peer": peer}, daemon=True)
+  rollout.start()
+  train_and_evaluate(config(), workdir, role="train", peer=peer)
+  rollout.join(60)
+  saved = _saved_meta(workdir, 2)
+  assert lost and lost[0]["iterator"]["position"] > 0  # two batches drawn by the rollout
+  assert (saved["iterator"], saved["sampler"]) == (lost[0]["iterator"], lost[0]["sampler"])

@@ -231,7 +231,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        "(storage), the newest is step %s. Relaunch with the same --workdir to "
                        "resume from it.", step + 1, run.checkpointer.latest_step())
         return {**result, "stopped_at_step": float(step + 1)}
-    _last_save_landed(run, spec.num_steps, state)
+    # (the last batch's data state: on --role=train this process's iterator never moves)
+    _last_save_landed(run, spec.num_steps, state,
+                      exp.resume_state if spec.num_steps > start_step else None)
     if evaluating and not any(k.startswith("eval/") for k in result):
       try:
         final = evaluate(state.params, spec.num_steps)
@@ -568,12 +570,14 @@ def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
       f"{rollout_process.RELAUNCH} from it.")
 
 
-def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
-  """Waits for the run's last checkpoint; one lost to a storage outage is saved again until it
-  lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
+def _last_save_landed(run: run_setup.Run, step: int, state: TrainState,
+                      resume: dict[str, Any] | None) -> None:
+  """Waits for the run's last checkpoint; one lost to a storage outage is saved again (with
+  ``resume``, the last batch's data state, as the lost one; None: none trained this launch)
+  until it lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
   while not run.checkpointer.wait_until_finished():
     time.sleep(run_files.RETRY_WAIT_S)
-    _save(run, step, state)
+    _save(run, step, state, resume=resume)
 
 
 def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False,
