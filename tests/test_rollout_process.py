@@ -365,3 +365,37 @@ def test_sigterm_on_the_rollout_process_asks_the_trainer_to_stop(tmp_path):
     signal.signal(signal.SIGTERM, previous)
     train.close(), rollout.close()
   assert seen == [True, 1] and not fallback, (seen, fallback)
+
+
+def test_a_rollout_process_on_another_config_is_refused_on_both_sides(tmp_path):
+  """The settings that decide the batches (seed, data, rollout.*, reward.*, the skip filter,
+  max_num_gen_batches, ...) cross at the handshake: a difference stops both processes there,
+  in one line naming it; the training process's own settings (the optimizer) may differ."""
+  from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
+  base = rp.batch_settings(_small_config())
+  assert {"seed", "rollout.n", "rollout.temperature", "reward.overlong_buffer_len",
+          "algorithm.skip_filter", "algorithm.max_num_gen_batches", "data.train",
+          "optim.train_batch_size"} <= set(base)
+  assert rp.batch_settings(_small_config(**{"optim.lr": 0.5})) == base
+  theirs = rp.batch_settings(_small_config(**{"rollout.temperature": 0.5, "seed": 3}))
+  peer = f"127.0.0.1:{processes.free_port()}"
+  ends = {}
+
+  def listen():
+    try:
+      ends["train"] = Link.listen(peer, str(tmp_path), timeout_s=30.0, agree=base)
+    except PeerError as e:
+      ends["train"] = e
+
+  t = threading.Thread(target=listen)
+  t.start()
+  with pytest.raises(PeerError) as err:
+    Link.connect(peer, str(tmp_path), agree=theirs)
+  t.join()
+  assert isinstance(ends["train"], PeerError)
+  for e, here, there in ((err.value, "0.5", "1.0"), (ends["train"], "1.0", "0.5")):
+    msg = str(e)
+    assert "\n" not in msg and msg.startswith("the training and rollout processes run "
+                                              "different configs: rollout.temperature=")
+    assert f"rollout.temperature={here} here, {there} there" in msg and "seed=" in msg
+    assert "Start both with the same --config and overrides" in msg

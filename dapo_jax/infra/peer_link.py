@@ -172,7 +172,8 @@ class Link:
   """One end of the two channels. ``Link.listen`` on the training process, ``Link.connect`` on
   the rollout process; each then knows the other's device count and transfer address."""
 
-  def __init__(self, conn: connection.Connection, host: str, other: str = "the other process"):
+  def __init__(self, conn: connection.Connection, host: str, other: str = "the other process",
+               agree: dict[str, str] | None = None):
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self._conn, self._send_lock = conn, threading.Lock()
     self.other = other  # "the rollout process" / "the training process": which side went
@@ -181,7 +182,7 @@ class Link:
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
-                         "platform": jax.default_backend(),
+                         "platform": jax.default_backend(), "agree": agree or {},
                          "process": [jax.process_index(), jax.process_count()]}))
     kind, hello = self.recv()
     if kind != "hello":
@@ -193,6 +194,7 @@ class Link:
           f"the training and rollout processes need the same device count and platform (the "
           f"weights keep their shard shapes): this one has {jax.local_device_count()} "
           f"{jax.default_backend()} devices, the other {hello['devices']} {hello['platform']}")
+    _check_agree(agree or {}, hello.get("agree", {}))
     if hello["process"] != [jax.process_index(), jax.process_count()]:
       raise PeerError(
           f"process {jax.process_index()} of {jax.process_count()} reached process "
@@ -200,9 +202,12 @@ class Link:
           "the same process count, and --peer's addresses in process order")
 
   @classmethod
-  def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
+  def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S,
+             agree: dict[str, str] | None = None) -> Link:
     """The training process: waits for the rollout process to connect to ``peer`` (this
-    process's item, `process_peer`; `AUTO`: a free port, written to the workdir)."""
+    process's item, `process_peer`; `AUTO`: a free port, written to the workdir). ``agree``:
+    settings the two processes must share (the run's config that decides the batches), each
+    checked at the handshake against the other's."""
     peer = process_peer(peer)
     if peer == AUTO:
       host, port = _advertised_host(), 0
@@ -224,12 +229,13 @@ class Link:
                       "--workdir)")
     if isinstance(got[0], BaseException):
       raise PeerError(f"the rollout process's connection to {peer} failed: {got[0]}")
-    return cls(got[0], host, "the rollout process")
+    return cls(got[0], host, "the rollout process", agree)
 
   @classmethod
-  def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
+  def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S,
+              agree: dict[str, str] | None = None) -> Link:
     """The rollout process: connects to the training process at ``peer`` (retried until it
-    listens; ``peer``: as `listen`'s)."""
+    listens; ``peer``, ``agree``: as `listen`'s)."""
     peer = item = process_peer(peer)
     deadline = time.monotonic() + timeout_s
     while True:  # until it listens with the key it wrote for this launch
@@ -251,7 +257,7 @@ class Link:
           raise PeerError(f"the training process at {where} did not answer within "
                           f"{timeout_s:.0f} s ({e})") from e
         time.sleep(1.0)
-    return cls(conn, _local_address(host), "the training process")
+    return cls(conn, _local_address(host), "the training process", agree)
 
   def send(self, msg: tuple) -> int:
     """Sends ``msg``; its size in bytes, pickled."""
@@ -336,6 +342,21 @@ class Link:
   def close(self) -> None:
     with contextlib.suppress(OSError):
       self._conn.close()
+
+
+def _check_agree(here: dict[str, str], there: dict[str, str]) -> None:
+  """`Link`'s ``agree`` settings against the other process's: one line naming those that
+  differ."""
+  differ = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
+  if not differ:
+    return
+  shown = "; ".join(f"{k}={here.get(k, '(unset)')} here, {there.get(k, '(unset)')} there"
+                    for k in differ[:3])
+  more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+  raise PeerError(
+      f"the training and rollout processes run different configs: {shown}{more}. Start both "
+      "with the same --config and overrides (the settings that decide the batches: seed, "
+      "data, model, tokenizer, rollout, reward, algorithm, eval, optim.train_batch_size)")
 
 
 def _accept(listener: connection.Listener):

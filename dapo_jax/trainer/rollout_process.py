@@ -84,6 +84,34 @@ def check_role(role: str, peer: str, spec) -> None:
                      "rollout has a process of its own; set config.rollout_devices=0")
 
 
+# What decides the batches: the two processes must agree on it (checked at the handshake).
+# The rest (the optimizer, checkpoints, logging, meshes of the update) is the training
+# process's alone; save_every and num_steps come with its "start".
+BATCH_SETTINGS = ("seed", "data", "model", "tokenizer", "rollout", "reward", "algorithm", "eval",
+                  "rollout_mesh", "optim.train_batch_size")
+
+
+def batch_settings(config) -> dict[str, str]:
+  """``config``'s `BATCH_SETTINGS`, one entry per leaf ("rollout.n": "16"), for `Link`'s
+  ``agree``."""
+  out: dict[str, str] = {}
+
+  def leaves(prefix: str, value: Any) -> None:
+    if hasattr(value, "items"):
+      for k, v in value.items():
+        leaves(f"{prefix}.{k}", v)
+    else:
+      out[prefix] = repr(value)
+
+  flat = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  for name in BATCH_SETTINGS:
+    node: Any = flat
+    for part in name.split("."):
+      node = node.get(part) if hasattr(node, "get") else None
+    leaves(name, node)
+  return out
+
+
 class RemoteExperience:
   """The training process's experience source: batches sampled by the rollout process, weights
   offered to it after each update (`experience.OverlappedExperience`'s interface and schedule,

@@ -123,7 +123,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   spec = RunSpec.from_config(config, num_devices=jax.device_count())  # validated here, once
   rollout_process.check_role(role, peer, spec)
   if role == "rollout":
-    return _serve_rollout(spec, workdir, peer)
+    return _serve_rollout(spec, workdir, peer, rollout_process.batch_settings(config))
   # Before anything is built or written: a refused relaunch leaves the workdir as it was.
   # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
   launch = run_files.retry_transient(
@@ -142,8 +142,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     evaluating = bool(run.eval_records and spec.eval.every)
     link = None
     if role == "train":  # the rollout runs in the process that connects to ``peer``
-      link = teardown.enter_context(contextlib.closing(
-          rollout_process.Link.listen(peer, str(workdir))))
+      link = teardown.enter_context(contextlib.closing(rollout_process.Link.listen(
+          peer, str(workdir), agree=rollout_process.batch_settings(config))))
       evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout.send)
     else:
       evaluate = lambda params, step: evaluator(run.to_rollout(params), step=step)  # noqa: E731
@@ -247,9 +247,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return result
 
 
-def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
+def _serve_rollout(spec: RunSpec, workdir: str, peer: str, agree: dict[str, str]
+                   ) -> dict[str, float]:
   """``--role=rollout``: the rollout side of the run that the training process at ``peer``
-  drives (`rollout_process.serve`); writes nothing to ``workdir`` but the compilation cache."""
+  drives (`rollout_process.serve`); writes nothing to ``workdir`` but the compilation cache.
+  ``agree``: the config's settings that decide the batches (the training process's must be
+  the same: `rollout_process.batch_settings`)."""
   compile_cache.setup(spec.compilation_cache_dir, run_files.resolve(workdir))
   with contextlib.ExitStack() as teardown:
     compiles = teardown.enter_context(compile_cache.CompileCounter())
@@ -259,7 +262,7 @@ def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
     evaluator = eval_lib.Evaluator(spec, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
     link = teardown.enter_context(contextlib.closing(
-        rollout_process.Link.connect(peer, str(workdir))))
+        rollout_process.Link.connect(peer, str(workdir), agree=agree)))
     _log.info("Rolling out for the training process at %s.", peer)
 
     def sample(weights, step, version, newest=None, check=None):
