@@ -399,3 +399,28 @@ def test_a_rollout_process_on_another_config_is_refused_on_both_sides(tmp_path):
                                               "different configs: rollout.temperature=")
     assert f"rollout.temperature={here} here, {there} there" in msg and "seed=" in msg
     assert "Start both with the same --config and overrides" in msg
+
+
+def test_a_batch_that_cannot_be_sent_stops_the_trainer_with_the_reason(tmp_path):
+  """A scored batch that does not pickle (here: a lock inside it) must reach the trainer as an
+  error at its step, not end the sender thread with a stderr trace and leave both waiting."""
+  train, rollout = _pair(str(tmp_path))
+
+  def sample(weights, step, version, newest, check):
+    return {"step": step, "lock": threading.Lock() if step == 1 else None}
+
+  t = threading.Thread(target=rp.serve, args=(rollout, sample, dict, lambda r: None, None, None),
+                       daemon=True)
+  t.start()
+  try:
+    source = _remote(train, 0, 4)
+    assert _within(lambda: source.next(0, None)).batch["step"] == 0
+    source.updated(1, {"w": jnp.ones(3)})
+    with pytest.raises(PeerError, match=r"the rollout process stopped: step 1's batch could not "
+                       r"be sent: TypeError: cannot pickle '_thread.lock' object"):
+      _within(lambda: source.next(1, None))
+    source.close()
+    t.join(10)
+    assert not t.is_alive()
+  finally:
+    train.close(), rollout.close()

@@ -318,7 +318,8 @@ def _evaluate(link: Link, evaluator: Callable[..., dict[str, float]],
 
 
 def _send_batches(link: Link, source, start: int, end: int) -> None:
-  """The rollout process's batches, in step order, as they are ready."""
+  """The rollout process's batches, in step order, as they are ready. One that cannot be sent
+  (a batch or an error that does not pickle) stops the training process with the reason."""
   for step in range(start, end):
     try:
       out = source.next(step, None)
@@ -329,6 +330,12 @@ def _send_batches(link: Link, source, start: int, end: int) -> None:
     try:
       link.send(("sent", step, link.send(("experience", step, out))))
     except PeerError:
+      return
+    except Exception as e:  # pylint: disable=broad-except  (the trainer waits for this step)
+      reason = f"step {step}'s batch could not be sent: {type(e).__name__}: {e}"
+      _log.error("Rollout process: %s.", reason)
+      with contextlib.suppress(PeerError):
+        link.send(("error", None, reason))
       return
     if isinstance(out, BaseException):
       return
