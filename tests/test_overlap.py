@@ -195,6 +195,29 @@ def test_tasks_run_on_the_rollout_thread_between_the_batches_they_name():
   assert seen == [(1, 3, "dapo-rollout"), (6, 6, "dapo-rollout")]  # after batch 2, after all
 
 
+def test_close_gives_up_on_a_rollout_thread_that_never_returns(monkeypatch, caplog):
+  """A batch stuck where the stop check never runs (a collective whose peer died): close
+  waits experience.CLOSE_TIMEOUT_S, warns and returns, instead of hanging the exit."""
+  monkeypatch.setattr(experience, "CLOSE_TIMEOUT_S", 0.5)
+  stuck, release = threading.Event(), threading.Event()
+
+  def sample(weights, step, version, newest, check):
+    stuck.set()
+    release.wait()  # never checks: only the end of the test lets it go
+
+  src = experience.OverlappedExperience(
+      sample, lambda p: p, dict, max_staleness=1, start_step=0, num_steps=2, save_every=100,
+      params=jnp.asarray(0))
+  try:
+    assert stuck.wait(20)
+    closed = threading.Event()
+    threading.Thread(target=lambda: (src.close(), closed.set()), daemon=True).start()
+    assert closed.wait(20), "close() waited for the stuck rollout thread"
+    assert "The rollout thread did not stop within" in caplog.text, caplog.text
+  finally:
+    release.set()
+
+
 def test_a_task_after_a_batch_that_fails_still_runs():
   """An evaluation placed after batch 3 (a rollout group's place for version 2 at k = 1,
   save_every 2) runs although batch 2 fails (a dataset-exhausted stop): the trainer waits for

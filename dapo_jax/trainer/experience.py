@@ -32,6 +32,10 @@ import numpy as np
 
 _log = logging.getLogger(__name__)
 
+# How long `OverlappedExperience.close` waits for the rollout thread: a batch in flight stops
+# at its next chunk (seconds), but a chunk stuck (a collective whose peer died) never returns.
+CLOSE_TIMEOUT_S = 300.0
+
 
 @dataclasses.dataclass
 class Experience:
@@ -201,7 +205,10 @@ class OverlappedExperience:
     with self._cond:
       self._stop = True
       self._cond.notify_all()
-    self._thread.join()
+    self._thread.join(CLOSE_TIMEOUT_S)
+    if self._thread.is_alive():  # a daemon: it ends with the process, which is stopping
+      _log.warning("The rollout thread did not stop within %.0f s of the close (a chunk or an "
+                   "evaluation that does not return); leaving it behind.", CLOSE_TIMEOUT_S)
 
   def _wait_for(self, version: int | None) -> tuple[Any, float]:
     """Version ``version``'s hand-off, once every task due before it has run (None: only the
