@@ -424,3 +424,40 @@ def test_a_batch_that_cannot_be_sent_stops_the_trainer_with_the_reason(tmp_path)
     assert not t.is_alive()
   finally:
     train.close(), rollout.close()
+
+
+def test_a_silent_peer_is_taken_as_gone_and_a_slow_one_is_not(tmp_path, monkeypatch):
+  """Each end says it is alive every HEARTBEAT_S: a wait longer than SILENCE_S for a batch
+  still ends with the batch. An other process that stops speaking without closing its
+  connection (a host down, a network cut) ends the wait after SILENCE_S, in one line."""
+  monkeypatch.setattr(peer_link, "HEARTBEAT_S", 0.1)
+  monkeypatch.setattr(peer_link, "SILENCE_S", 1.0)
+  train, rollout = _pair(str(tmp_path))
+  try:
+    threading.Timer(2.5, lambda: rollout.send(("experience", 0, "late"))).start()
+    assert _within(lambda: train.wait("experience", 0)) == ("experience", 0, "late")
+    rollout._closed.set()  # pylint: disable=protected-access  (its heartbeat stops, the socket stays)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"the rollout process has gone \(no word from it for 1 "
+                       r"s, where it says it is alive every 0 s"):
+      _within(lambda: train.wait("experience", 1))
+    assert time.monotonic() - t0 < 5
+  finally:
+    train.close(), rollout.close()
+
+
+def test_a_pull_of_weights_that_never_come_ends(tmp_path, monkeypatch):
+  """A pull whose weights never arrive (the offering process stuck or gone mid-transfer) ends
+  after PULL_TIMEOUT_S in one line, instead of leaving the rollout process waiting."""
+  monkeypatch.setattr(peer_link, "PULL_TIMEOUT_S", 1.0)
+  train, rollout = _pair(str(tmp_path))
+  try:
+    offer = train.offer(1, {"w": jnp.ones(3)})
+    never = dict(offer, key=99)  # a key the training process never offered
+    with pytest.raises(PeerError, match=r"the weights the training process offered \(key 99\) "
+                       r"did not arrive within 1 s"):
+      _within(lambda: rollout.pull(never, None))
+    got, _ = rollout.pull(offer, None)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones(3))
+  finally:
+    train.close(), rollout.close()

@@ -47,6 +47,12 @@ import jax
 from dapo_jax.infra import run_files
 
 CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading a checkpoint
+# Each end says it is alive every HEARTBEAT_S (a thread of its own, so a long rollout or update
+# still speaks); no word for SILENCE_S is an other process gone (a host down, a network cut,
+# which no closed connection reports). A pull of weights not arrived in PULL_TIMEOUT_S too.
+HEARTBEAT_S = 10.0
+SILENCE_S = 300.0
+PULL_TIMEOUT_S = 600.0
 
 
 class PeerError(RuntimeError):
@@ -179,6 +185,7 @@ class Link:
     self.other = other  # "the rollout process" / "the training process": which side went
     self._inbox: list[tuple] = []
     self.signalled: int | None = None  # a signal the other process was sent (`signal`)
+    self._closed = threading.Event()
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
@@ -200,6 +207,7 @@ class Link:
           f"process {jax.process_index()} of {jax.process_count()} reached process "
           f"{hello['process'][0]} of {hello['process'][1]} of the other side: each side needs "
           "the same process count, and --peer's addresses in process order")
+    threading.Thread(target=self._heartbeat, name="dapo-peer-heartbeat", daemon=True).start()
 
   @classmethod
   def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S,
@@ -270,18 +278,31 @@ class Link:
     return len(data)
 
   def recv(self) -> tuple:
-    """The next message (a "signal" message is noted in ``signalled``, not returned)."""
+    """The next message (a "signal" message is noted in ``signalled``, a heartbeat dropped);
+    `PeerGone` after SILENCE_S without a word."""
     while True:
       msg = self._recv()
-      if msg[0] != "signal":
+      if msg[0] == "signal":
+        self.signalled = msg[2]
+      elif msg[0] != "heartbeat":
         return msg
-      self.signalled = msg[2]
 
   def _recv(self) -> tuple:
     try:
+      if not self._conn.poll(SILENCE_S):
+        raise PeerGone(f"{self.other} has gone (no word from it for {SILENCE_S:.0f} s, where "
+                       f"it says it is alive every {HEARTBEAT_S:.0f} s: its host down or the "
+                       "network cut?)")
       return self._conn.recv()
     except (OSError, EOFError) as e:
       raise self._gone(e) from e
+
+  def _heartbeat(self) -> None:
+    while not self._closed.wait(HEARTBEAT_S):
+      try:
+        self.send(("heartbeat", None, None))
+      except PeerError:
+        return
 
   def signal(self, signum: int) -> None:
     """Tells the other process that this one was sent ``signum`` (its ``signalled``); never
@@ -298,7 +319,7 @@ class Link:
       msg = self._recv()
       if msg[0] == "signal":
         self.signalled = msg[2]
-      else:
+      elif msg[0] != "heartbeat":
         self._inbox.append(msg)
     return self.signalled
 
@@ -336,10 +357,17 @@ class Link:
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(spec, mesh))
              for shape, dtype, spec in offer["leaves"]]
     leaves = self._pulls.pull(offer["key"], specs)
+    deadline = time.monotonic() + PULL_TIMEOUT_S  # (the pull's own timeout never fired here)
+    while not all(x.is_ready() for x in leaves):
+      if time.monotonic() > deadline:
+        raise PeerGone(f"the weights {self.other} offered (key {offer['key']}) did not arrive "
+                       f"within {PULL_TIMEOUT_S:.0f} s")
+      time.sleep(0.002)
     nbytes = sum(int(x.nbytes) for x in leaves)
     return jax.tree.unflatten(offer["treedef"], leaves), nbytes
 
   def close(self) -> None:
+    self._closed.set()
     with contextlib.suppress(OSError):
       self._conn.close()
 
