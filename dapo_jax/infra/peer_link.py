@@ -47,24 +47,19 @@ import jax
 from dapo_jax.infra import run_files
 
 CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading a checkpoint
-# Each end says it is alive every HEARTBEAT_S (a thread of its own, so a long rollout or update
-# still speaks); no word for SILENCE_S is an other process gone (a host down, a network cut,
-# which no closed connection reports). A pull of weights not arrived in PULL_TIMEOUT_S too.
-HEARTBEAT_S = 10.0
-SILENCE_S = 300.0
-PULL_TIMEOUT_S = 600.0
+# Each end says it is alive every HEARTBEAT_S (from a thread of its own); no word for SILENCE_S
+# (a host down, a network cut: no closed connection reports them), or weights pulled but not
+# arrived in PULL_TIMEOUT_S, is the other process gone.
+HEARTBEAT_S, SILENCE_S, PULL_TIMEOUT_S = 10.0, 300.0, 600.0
 
 
 class PeerError(RuntimeError):
-  """The other process could not be reached, or ended. A user's answer, not a bug: the
-  command line prints it in one line (``one_line``, `spec.cli.exit_on_error`)."""
-
-  one_line = True
+  """The other process could not be reached, or ended (not a bug: printed in one line)."""
+  one_line = True  # `spec.cli.exit_on_error`
 
 
 class PeerGone(PeerError):
-  """The link ended under a send or a receive: the other process exited, was killed or lost
-  its connection."""
+  """The link ended (the other process exited, was killed, went silent or lost its link)."""
 
 
 class PeerAddressError(ValueError):
@@ -185,7 +180,7 @@ class Link:
     self.other = other  # "the rollout process" / "the training process": which side went
     self._inbox: list[tuple] = []
     self.signalled: int | None = None  # a signal the other process was sent (`signal`)
-    self._closed = threading.Event()
+    self._closed = threading.Event()  # (ends the heartbeat)
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
@@ -214,8 +209,7 @@ class Link:
              agree: dict[str, str] | None = None) -> Link:
     """The training process: waits for the rollout process to connect to ``peer`` (this
     process's item, `process_peer`; `AUTO`: a free port, written to the workdir). ``agree``:
-    settings the two processes must share (the run's config that decides the batches), each
-    checked at the handshake against the other's."""
+    settings both must share (what decides the batches), checked at the handshake."""
     peer = process_peer(peer)
     if peer == AUTO:
       host, port = _advertised_host(), 0
@@ -280,46 +274,44 @@ class Link:
   def recv(self) -> tuple:
     """The next message (a "signal" message is noted in ``signalled``, a heartbeat dropped);
     `PeerGone` after SILENCE_S without a word."""
-    while True:
-      msg = self._recv()
-      if msg[0] == "signal":
-        self.signalled = msg[2]
-      elif msg[0] != "heartbeat":
-        return msg
+    while (msg := self._recv()) is None:
+      pass
+    return msg
 
-  def _recv(self) -> tuple:
+  def _recv(self) -> tuple | None:
     try:
       if not self._conn.poll(SILENCE_S):
         raise PeerGone(f"{self.other} has gone (no word from it for {SILENCE_S:.0f} s, where "
                        f"it says it is alive every {HEARTBEAT_S:.0f} s: its host down or the "
                        "network cut?)")
-      return self._conn.recv()
+      msg = self._conn.recv()
     except (OSError, EOFError) as e:
       raise self._gone(e) from e
+    if msg[0] == "signal":
+      self.signalled = msg[2]
+    return None if msg[0] in ("signal", "heartbeat") else msg
 
   def _heartbeat(self) -> None:
-    while not self._closed.wait(HEARTBEAT_S):
-      try:
-        self.send(("heartbeat", None, None))
-      except PeerError:
-        return
+    while not self._closed.wait(HEARTBEAT_S) and self._try_send(("heartbeat", None, None)):
+      pass
+
+  def _try_send(self, msg: tuple) -> bool:
+    try:
+      self.send(msg)
+    except PeerError:
+      return False
+    return True
 
   def signal(self, signum: int) -> None:
     """Tells the other process that this one was sent ``signum`` (its ``signalled``); never
-    raises: a signal handler calls it."""
-    def send():
-      with contextlib.suppress(PeerError):
-        self.send(("signal", None, signum))
-    threading.Thread(target=send, name="dapo-peer-signal", daemon=True).start()  # the lock
+    raises or waits (a signal handler calls it, maybe while this thread holds the send lock)."""
+    threading.Thread(target=self._try_send, args=(("signal", None, signum),), daemon=True).start()
 
   def poll_signal(self) -> int | None:
-    """The signal the other process was sent, if its "signal" message has come (messages that
-    came meanwhile are read without waiting and kept for `wait`)."""
+    """The other process's signal, once its message came (others read meanwhile: kept)."""
     while self.signalled is None and self._conn.poll(0):
       msg = self._recv()
-      if msg[0] == "signal":
-        self.signalled = msg[2]
-      elif msg[0] != "heartbeat":
+      if msg is not None:
         self._inbox.append(msg)
     return self.signalled
 
@@ -328,18 +320,16 @@ class Link:
 
   def wait(self, kind: str, key: Any) -> tuple:
     """The first message ``(kind, key, payload)``; others that come first are kept for later."""
-    for i, msg in enumerate(self._inbox):
-      if msg[0] == "error":
+    i = 0
+    while True:
+      if i == len(self._inbox):
+        self._inbox.append(self.recv())
+      msg = self._inbox[i]
+      if msg[0] == "error":  # (kept: every later wait raises it too)
         raise PeerError(f"{self.other} stopped: {msg[2]}")
       if msg[:2] == (kind, key):
         return self._inbox.pop(i)
-    while True:
-      msg = self.recv()
-      if msg[0] == "error":
-        raise PeerError(f"{self.other} stopped: {msg[2]}")
-      if msg[:2] == (kind, key):
-        return msg
-      self._inbox.append(msg)
+      i += 1
 
   def offer(self, key: int, tree: Any) -> dict[str, Any]:
     """Offers ``tree`` (arrays on this process's devices) for one pull under ``key``; what the
@@ -373,8 +363,7 @@ class Link:
 
 
 def _check_agree(here: dict[str, str], there: dict[str, str]) -> None:
-  """`Link`'s ``agree`` settings against the other process's: one line naming those that
-  differ."""
+  """`Link`'s ``agree`` settings against the other process's (one line naming a difference)."""
   differ = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
   if not differ:
     return

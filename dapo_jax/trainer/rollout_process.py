@@ -220,11 +220,13 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   ``restore`` sets the data's resume state; ``mesh`` is the rollout mesh (None on one
   device); ``receive`` makes the weights the samplers read from what was pulled (default: as
   pulled); ``lora_base``: this process's frozen base (`checkpoints.lora_base.record`; None: no
-  LoRA), which must be the training process's."""
+  LoRA), which must be the training process's. SIGTERM here is passed on to the training
+  process, which stops the run (`_forward_stop_signals`); the training process gone ends it
+  with `SideGoneError` (one line)."""
   source: exp_lib.OverlappedExperience | None = None
   stack = contextlib.ExitStack()
   receive = receive or (lambda moved: moved)
-  at = None  # the training process's step reached: the newest weights it sent
+  at = None  # the training process's step reached: its newest "weights" or "step" message
 
   def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
     return link.pull(offer, mesh)[0]
