@@ -555,11 +555,11 @@ def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
   this launch is saved at the step reached (as a SIGTERM stop saves it; one process a side:
   on several, the others may not know yet) and one line says what to do."""
   last = getattr(source, "last_resume", None)  # the last trained batch's data state
-  run.checkpointer.wait_until_finished()  # a save under way lands first
-  if (last is not None and run.checkpointer.latest_step() != step
-      and jax.process_count() == 1):
-    _save(run, step, state, resume=last)
-    run.checkpointer.wait_until_finished()
+  if jax.process_count() == 1:  # (on several, a save or a wait is a collective: not here)
+    run.checkpointer.wait_until_finished()  # a save under way lands first
+    if last is not None and run.checkpointer.latest_step() != step:
+      _save(run, step, state, resume=last)
+      run.checkpointer.wait_until_finished()
   newest = run.checkpointer.latest_step()
   if newest == step:
     saved = f"Step {step} is saved in {run.checkpointer.directory}"
