@@ -67,16 +67,16 @@ def main(argv: Sequence[str]) -> dict[str, float]:
   from dapo_jax.checkpoints import orbax as orbax_ckpt
   from dapo_jax.data.records import DataFormatError
   from dapo_jax.trainer import rollout_process
-  from dapo_jax.trainer.train import train_and_evaluate
+  from dapo_jax.trainer.train import SamplingStoppedError, train_and_evaluate
   # Past flag parsing only these are the user's to fix (a bad config value, a config change the
   # run cannot take, a missing bucket or model directory, a checkpoint of another model, a
-  # malformed data file) or a storage outage past its retries (its own one line); any other
-  # error keeps its traceback.
+  # malformed data file, a split's other process gone, a sampling stop, checkpointed) or a
+  # storage outage past its retries (its own one line); any other error keeps its traceback.
   with cli.tracebacks_except(config_lib.ConfigError, run_config.ConfigChangeError,
                              run_config.BucketNotFoundError, hf.MissingCheckpointError,
                              orbax_ckpt.CheckpointLayoutError, DataFormatError,
                              run_files.StorageUnavailableError, rollout_process.RoleError,
-                             rollout_process.PeerError):
+                             rollout_process.PeerError, SamplingStoppedError):
     # The model directory before the workdir is made (a gs:// one retried through an outage).
     run_files.retry_transient(
         lambda: hf.check_checkpoint_dir(fv.config.model.checkpoint),

@@ -4,9 +4,11 @@ that reproduces itself across a kill and resume."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import jax
@@ -191,6 +193,49 @@ def test_tasks_run_on_the_rollout_thread_between_the_batches_they_name():
   finally:
     src.close()
   assert seen == [(1, 3, "dapo-rollout"), (6, 6, "dapo-rollout")]  # after batch 2, after all
+
+
+def test_close_gives_up_on_a_rollout_thread_that_never_returns(monkeypatch, caplog):
+  """A batch stuck where the stop check never runs (a collective whose peer died): close
+  waits experience.CLOSE_TIMEOUT_S, warns and returns, instead of hanging the exit."""
+  monkeypatch.setattr(experience, "CLOSE_TIMEOUT_S", 0.5)
+  stuck, release = threading.Event(), threading.Event()
+
+  def sample(weights, step, version, newest, check):
+    stuck.set()
+    release.wait()  # never checks: only the end of the test lets it go
+
+  src = experience.OverlappedExperience(
+      sample, lambda p: p, dict, max_staleness=1, start_step=0, num_steps=2, save_every=100,
+      params=jnp.asarray(0))
+  try:
+    assert stuck.wait(20)
+    closed = threading.Event()
+    threading.Thread(target=lambda: (src.close(), closed.set()), daemon=True).start()
+    assert closed.wait(20), "close() waited for the stuck rollout thread"
+    assert "The rollout thread did not stop within" in caplog.text, caplog.text
+  finally:
+    release.set()
+
+
+def test_a_task_after_a_batch_that_fails_still_runs():
+  """An evaluation placed after batch 3 (a rollout group's place for version 2 at k = 1,
+  save_every 2) runs although batch 2 fails (a dataset-exhausted stop): the trainer waits for
+  its answer before it asks for batch 2, and then meets the error there."""
+  src, _ = _source(1, end=4, save_every=2, fail_at=2)
+  ran = threading.Event()
+  try:
+    src.next(0, None)
+    src.updated(1, jnp.asarray(1))
+    src.next(1, None)
+    assert experience.last_batch_sampled_by(2, 1, 2, 0, 4) == 3
+    src.run_after(3, ran.set)
+    src.updated(2, jnp.asarray(2))
+    assert ran.wait(20.0), "the evaluation after batch 3 never ran: batch 2 failed first"
+    with pytest.raises(RuntimeError, match="rollout failed at 2"):
+      src.next(2, None)
+  finally:
+    src.close()
 
 
 def test_a_rollout_error_reaches_the_trainer_at_its_step():
@@ -403,3 +448,125 @@ def test_sides_of_two_processes_each_pair_process_by_process(tmp_path, whole_spl
 # Host-side decisions of a step: the same on any process layout (test_multiprocess.py).
 _DECISIONS = ("sampling/", "train/", "response/", "reward/", "staleness/", "data/", "eval/",
               "sync/")
+
+
+_CLI_CONFIG = """
+from tests.test_overlap import _overlap_config
+
+
+def get_config():
+  c = _overlap_config({steps})
+  c.rollout_devices, c.checkpoint.save_every = 0, 100  # a save only where a run stops
+  return c
+"""
+
+
+def _cli_side(role, cfg, workdir, peer, log=subprocess.PIPE):
+  """One side as a user starts it: ``dapo-train --role ...`` (`dapo_jax.main`), its output in
+  ``log``."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen(
+      [sys.executable, "-m", "dapo_jax.main", f"--config={cfg}", f"--workdir={workdir}",
+       f"--role={role}", f"--peer={peer}"], cwd=root,
+      env=processes.process_env(root, 4, {}), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _rows(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  return [json.loads(line)["step"] for line in open(path) if line.strip()]
+
+
+def _launch_until(tmp_path, cfg, workdir, name, after_row, end):
+  """Both sides by the command line, until the training process logs step ``after_row``;
+  then ``end(procs)``. Their output: ``<name>.train.log``, ``<name>.rollout.log``."""
+  logs = {side: open(tmp_path / f"{name}.{side}.log", "w") for side in ("rollout", "train")}
+  peer = f"127.0.0.1:{processes.free_port()}"
+  procs = {side: _cli_side(side, cfg, workdir, peer, logs[side]) for side in logs}
+  try:
+    deadline = time.monotonic() + 600
+    while not _rows(workdir) or _rows(workdir)[-1] < after_row:
+      assert time.monotonic() < deadline and procs["train"].poll() is None, "no step logged"
+      time.sleep(0.2)
+    end(procs)
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+  return {side: (tmp_path / f"{name}.{side}.log").read_text() for side in logs}
+
+
+def test_a_side_stopped_or_killed_loses_no_step_and_the_run_resumes(tmp_path):
+  """SIGTERM on the rollout process alone (its host preempted): the training process
+  checkpoints the step it reaches and both exit 0. Then kill -9 of the rollout process: the
+  training process saves the step it reached (no periodic checkpoint: save_every 100) and ends
+  in one line (which side went, the step, the checkpoint, how to relaunch), exit 2, no
+  traceback. The relaunch of both logs every step once."""
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(_CLI_CONFIG.format(steps=8))
+  workdir = str(tmp_path / "run")
+  ckpts = lambda: sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")))  # noqa: E731
+
+  def sigterm(procs):
+    procs["rollout"].send_signal(signal.SIGTERM)
+    assert procs["rollout"].wait(120) == 0 and procs["train"].wait(120) == 0
+
+  out = _launch_until(tmp_path, cfg, workdir, "term", 1, sigterm)
+  first = _rows(workdir)[-1]
+  assert 0 < first < 8 and ckpts() == [first], (first, ckpts())
+  assert f"Stopped at step {first} on request; checkpoint written" in out["train"]
+
+  def kill(procs):
+    procs["rollout"].kill()
+    assert procs["train"].wait(120) == 2
+
+  out = _launch_until(tmp_path, cfg, workdir, "kill", first + 1, kill)["train"]
+  last = out.strip().splitlines()[-1]
+  assert "Traceback" not in out, out[-3000:]
+  reached = _rows(workdir)[-1]
+  assert last.startswith("dapo-train: error: The rollout process has gone (") and (
+      f"with the training process at step {reached}. Step {reached} is saved in " in last and
+      "relaunch both processes (--role=train and --role=rollout)" in last), last
+  assert first < reached < 8 and ckpts() == [first, reached], (reached, ckpts())
+  peer = f"127.0.0.1:{processes.free_port()}"
+  processes.wait_all([_cli_side(side, cfg, workdir, peer) for side in ("rollout", "train")],
+                     stall_s=600, what="process", watch=[workdir])
+  rows = _rows(workdir)
+  assert [s for s in rows if s > 0] == list(range(1, 9)) and rows.count(0) == 1, rows
+
+
+def test_the_last_save_retried_on_role_train_keeps_the_last_batchs_data_state(tmp_path,
+                                                                             monkeypatch):
+  """--role=train (both sides in this process, the rollout on a thread): the last step's save
+  lost to a storage outage is saved again with the data state of the last batch the rollout
+  drew, the one the lost save held, not this process's iterator (which never moves)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from tests.test_bad_inputs import _saved_meta  # pylint: disable=g-import-not-at-top
+
+  def config():
+    c = _overlap_config(2)
+    c.rollout_devices, c.eval.every, c.checkpoint.save_every = 0, 0, 100
+    return c
+
+  monkeypatch.setattr(train.run_files, "RETRY_WAIT_S", 0.0)
+  lost = []
+  real_save = ocp.CheckpointManager.save
+
+  def lost_once(self, step, *args, **kwargs):  # the storage drops the first save of step 2
+    if step == 2 and not lost:
+      lost.append(kwargs["args"].meta.item)
+      raise ConnectionRefusedError("storage unreachable (test)")
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", lost_once)
+  workdir = str(tmp_path / "run")
+  peer = f"127.0.0.1:{processes.free_port()}"
+  rollout = threading.Thread(target=train_and_evaluate, args=(config(), workdir),
+                             kwargs={"role": "rollout", "peer": peer}, daemon=True)
+  rollout.start()
+  train_and_evaluate(config(), workdir, role="train", peer=peer)
+  rollout.join(60)
+  saved = _saved_meta(workdir, 2)
+  assert lost and lost[0]["iterator"]["position"] > 0  # two batches drawn by the rollout
+  assert (saved["iterator"], saved["sampler"]) == (lost[0]["iterator"], lost[0]["sampler"])

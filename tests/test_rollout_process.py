@@ -3,7 +3,9 @@ channels (infra/peer_link.py), and what crosses them. The two-process run itself
 tests/test_overlap.py."""
 
 import multiprocessing
+import os
 import pickle
+import signal
 import threading
 import time
 import types
@@ -17,7 +19,8 @@ import pytest
 from dapo_jax.infra import peer_link
 from dapo_jax.infra.peer_link import Link, PeerError
 from dapo_jax.trainer import rollout_process as rp
-from dapo_jax.trainer.dynamic_sampling import MaxGenBatchesExceededError, SamplingStats
+from dapo_jax.trainer.dynamic_sampling import (DatasetExhaustedError, MaxGenBatchesExceededError,
+                                               SamplingStats)
 from tests import processes
 
 
@@ -129,7 +132,7 @@ def test_weights_are_pulled_by_key_in_any_order(tmp_path):
   finally:
     train.close()
     rollout.close()
-  with pytest.raises(PeerError, match="the other process has gone"):
+  with pytest.raises(PeerError, match="the rollout process has gone"):
     train.recv()
 
 
@@ -201,3 +204,260 @@ def test_a_rollout_process_on_another_lora_base_stops_the_run_in_one_line(tmp_pa
   finally:
     train.close()
     rollout.close()
+
+
+def _within(fn, timeout_s=30.0):
+  """``fn()``'s result, or a failed test after ``timeout_s`` (a hang fails, never stalls)."""
+  out = []
+
+  def call():
+    try:
+      out.append((True, fn()))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      out.append((False, e))
+
+  t = threading.Thread(target=call, daemon=True)
+  t.start()
+  t.join(timeout_s)
+  assert out, f"no answer within {timeout_s:.0f} s: the two sides wait on each other"
+  ok, value = out[0]
+  if not ok:
+    raise value
+  return value
+
+
+def _rollout_side(link, fail_at=None, fail_with=None, evals=None):
+  """`rp.serve` on a thread, over a fake rollout: a batch is (step, version, the weights' sum
+  it was sampled with); ``fail_at``'s batch raises ``fail_with()``. Evaluations score the
+  pulled weights' sum (appended to ``evals``). Returns (thread, what serve raised)."""
+  drawn = []
+
+  def sample(weights, step, version, newest, check):
+    del newest, check
+    if step == fail_at:
+      raise fail_with()
+    drawn.append(step)
+    return (step, version, float(jnp.sum(weights["w"])))
+
+  def evaluator(weights, step):
+    score = float(jnp.sum(weights["w"]))
+    if evals is not None:
+      evals.append((step, score))
+    return {"eval/score": score}
+
+  raised = []
+
+  def run():
+    try:
+      rp.serve(link, sample, lambda: {"drawn": list(drawn)}, lambda resume: None, evaluator,
+               None)
+    except BaseException as e:  # pylint: disable=broad-except  (the test reads it)
+      raised.append(e)
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  return t, raised
+
+
+def _remote(link, start, end, save_every=2, params=None):
+  return rp.RemoteExperience(link, lambda p: p, max_staleness=1, start_step=start,
+                             num_steps=end, save_every=save_every,
+                             params={"w": jnp.zeros(3)} if params is None else params,
+                             partial=False, resume=None)
+
+
+def test_a_finished_run_relaunched_evaluates_and_stops(tmp_path):
+  """start_step == num_steps (a requeued job after the last step): no batch and no weights
+  are sent; the final evaluation is answered at once and both sides stop."""
+  train, rollout = _pair(str(tmp_path))
+  t, raised = _rollout_side(rollout)
+  try:
+    source = _remote(train, 4, 4)
+    params = {"w": jnp.full(3, 2.0)}
+    assert _within(lambda: source.evaluate(params, 4)) == {"eval/score": 6.0}
+    source.close()
+    t.join(10)
+    assert not t.is_alive() and not raised
+  finally:
+    train.close(), rollout.close()
+
+
+@pytest.mark.parametrize("stop", [MaxGenBatchesExceededError, DatasetExhaustedError])
+def test_a_sampling_stop_after_an_evaluation_reaches_the_trainer(tmp_path, stop):
+  """A rollout group evaluates version 2 after batch 3 (k = 1, save_every 2): batch 2's
+  sampling stop must not leave the trainer waiting for that evaluation. It gets the
+  evaluation, then the stop with what was gathered at step 2 (which it checkpoints)."""
+  train, rollout = _pair(str(tmp_path))
+  make = lambda: stop("stopped at 2", groups=[1], stats=SamplingStats())  # noqa: E731
+  evals = []
+  t, raised = _rollout_side(rollout, fail_at=2, fail_with=make, evals=evals)
+  try:
+    source = _remote(train, 0, 4)
+    for step in (0, 1):
+      assert _within(lambda s=step: source.next(s, None)).batch[0] == step
+      source.updated(step + 1, {"w": jnp.full(3, step + 1.0)})
+    got = _within(lambda: rp.evaluate(train, lambda p: p, {"w": jnp.full(3, 5.0)}, 2, after=3))
+    assert got == {"eval/score": 15.0} and evals == [(2, 15.0)]
+    with pytest.raises(stop, match="stopped at 2") as err:
+      _within(lambda: source.next(2, None))
+    assert err.value.groups == [1]
+    source.close()
+    t.join(10)
+    assert not t.is_alive() and not raised
+  finally:
+    train.close(), rollout.close()
+
+
+def test_the_training_process_gone_ends_the_rollout_process_in_one_line(tmp_path):
+  """The training process killed mid-run: the rollout process ends with one line naming the
+  side that went, the step it had reached, that nothing is saved here, and the relaunch."""
+  train, rollout = _pair(str(tmp_path))
+  t, raised = _rollout_side(rollout)
+  try:
+    source = _remote(train, 0, 4)
+    _within(lambda: source.next(0, None))
+    source.updated(1, {"w": jnp.ones(3)})
+    _within(lambda: source.next(1, None))
+    train.close()  # what kill -9 leaves: the connection ends
+    t.join(20)
+    assert not t.is_alive() and len(raised) == 1
+    assert isinstance(raised[0], rp.SideGoneError) and raised[0].one_line
+    msg = str(raised[0])
+    assert "\n" not in msg and msg.startswith("The training process has gone (EOFError) at step 1.")
+    assert "at step 1. This process saves nothing" in msg
+    assert "relaunch both processes (--role=train and --role=rollout)" in msg
+  finally:
+    train.close(), rollout.close()
+
+
+def test_sigterm_on_the_rollout_process_asks_the_trainer_to_stop(tmp_path):
+  """SIGTERM on the rollout process (serving on the main thread, as the command runs it): it
+  keeps serving and tells the training process, whose stop check sees it; the trainer's
+  "stop" then ends it cleanly."""
+  train, rollout = _pair(str(tmp_path))
+  fallback = []  # the test's own handler, where serve installs none (never Python's default)
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: fallback.append(signum))
+  seen = []
+
+  def trainer():
+    try:
+      source = _remote(train, 0, 4)
+      source.next(0, None)
+      os.kill(os.getpid(), signal.SIGTERM)
+      deadline = time.monotonic() + 10
+      while not source.stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+      seen.append(source.stop_requested())
+      source.updated(1, {"w": jnp.ones(3)})  # the rollout process still answers
+      seen.append(source.next(1, None).batch)
+      source.close()
+    except BaseException as e:  # pylint: disable=broad-except  (the test reads it)
+      seen.append(e)
+      train.close()
+
+  t = threading.Thread(target=trainer, daemon=True)
+  t.start()
+  try:
+    sample = lambda weights, step, version, newest, check: step  # noqa: E731
+    rp.serve(rollout, sample, dict, lambda resume: None, None, None)
+    t.join(10)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    train.close(), rollout.close()
+  assert seen == [True, 1] and not fallback, (seen, fallback)
+
+
+def test_a_rollout_process_on_another_config_is_refused_on_both_sides(tmp_path):
+  """The settings that decide the batches (seed, data, rollout.*, reward.*, the skip filter,
+  max_num_gen_batches, ...) cross at the handshake: a difference stops both processes there,
+  in one line naming it; the training process's own settings (the optimizer) may differ."""
+  from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
+  base = rp.batch_settings(_small_config())
+  assert {"seed", "rollout.n", "rollout.temperature", "reward.overlong_buffer_len",
+          "algorithm.skip_filter", "algorithm.max_num_gen_batches", "data.train",
+          "optim.train_batch_size"} <= set(base)
+  assert rp.batch_settings(_small_config(**{"optim.lr": 0.5})) == base
+  theirs = rp.batch_settings(_small_config(**{"rollout.temperature": 0.5, "seed": 3}))
+  peer = f"127.0.0.1:{processes.free_port()}"
+  ends = {}
+
+  def listen():
+    try:
+      ends["train"] = Link.listen(peer, str(tmp_path), timeout_s=30.0, agree=base)
+    except PeerError as e:
+      ends["train"] = e
+
+  t = threading.Thread(target=listen)
+  t.start()
+  with pytest.raises(PeerError) as err:
+    Link.connect(peer, str(tmp_path), agree=theirs)
+  t.join()
+  assert isinstance(ends["train"], PeerError)
+  for e, here, there in ((err.value, "0.5", "1.0"), (ends["train"], "1.0", "0.5")):
+    msg = str(e)
+    assert "\n" not in msg and msg.startswith("the training and rollout processes run "
+                                              "different configs: rollout.temperature=")
+    assert f"rollout.temperature={here} here, {there} there" in msg and "seed=" in msg
+    assert "Start both with the same --config and overrides" in msg
+
+
+def test_a_batch_that_cannot_be_sent_stops_the_trainer_with_the_reason(tmp_path):
+  """A scored batch that does not pickle (here: a lock inside it) must reach the trainer as an
+  error at its step, not end the sender thread with a stderr trace and leave both waiting."""
+  train, rollout = _pair(str(tmp_path))
+
+  def sample(weights, step, version, newest, check):
+    return {"step": step, "lock": threading.Lock() if step == 1 else None}
+
+  t = threading.Thread(target=rp.serve, args=(rollout, sample, dict, lambda r: None, None, None),
+                       daemon=True)
+  t.start()
+  try:
+    source = _remote(train, 0, 4)
+    assert _within(lambda: source.next(0, None)).batch["step"] == 0
+    source.updated(1, {"w": jnp.ones(3)})
+    with pytest.raises(PeerError, match=r"the rollout process stopped: step 1's batch could not "
+                       r"be sent: TypeError: cannot pickle '_thread.lock' object"):
+      _within(lambda: source.next(1, None))
+    source.close()
+    t.join(10)
+    assert not t.is_alive()
+  finally:
+    train.close(), rollout.close()
+
+
+def test_a_silent_peer_is_taken_as_gone_and_a_slow_one_is_not(tmp_path, monkeypatch):
+  """Each end says it is alive every HEARTBEAT_S: a wait longer than SILENCE_S for a batch
+  still ends with the batch. An other process that stops speaking without closing its
+  connection (a host down, a network cut) ends the wait after SILENCE_S, in one line."""
+  monkeypatch.setattr(peer_link, "HEARTBEAT_S", 0.1)
+  monkeypatch.setattr(peer_link, "SILENCE_S", 1.0)
+  train, rollout = _pair(str(tmp_path))
+  try:
+    threading.Timer(2.5, lambda: rollout.send(("experience", 0, "late"))).start()
+    assert _within(lambda: train.wait("experience", 0)) == ("experience", 0, "late")
+    rollout._closed.set()  # pylint: disable=protected-access  (its heartbeat stops, the socket stays)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"the rollout process has gone \(no word from it for 1 "
+                       r"s, where it says it is alive every 0 s"):
+      _within(lambda: train.wait("experience", 1))
+    assert time.monotonic() - t0 < 5
+  finally:
+    train.close(), rollout.close()
+
+
+def test_a_pull_of_weights_that_never_come_ends(tmp_path, monkeypatch):
+  """A pull whose weights never arrive (the offering process stuck or gone mid-transfer) ends
+  after PULL_TIMEOUT_S in one line, instead of leaving the rollout process waiting."""
+  monkeypatch.setattr(peer_link, "PULL_TIMEOUT_S", 1.0)
+  train, rollout = _pair(str(tmp_path))
+  try:
+    offer = train.offer(1, {"w": jnp.ones(3)})
+    never = dict(offer, key=99)  # a key the training process never offered
+    with pytest.raises(PeerError, match=r"the weights the training process offered \(key 99\) "
+                       r"did not arrive within 1 s"):
+      _within(lambda: rollout.pull(never, None))
+    got, _ = rollout.pull(offer, None)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones(3))
+  finally:
+    train.close(), rollout.close()

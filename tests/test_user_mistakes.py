@@ -225,6 +225,26 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
                       [f"--config={TINY}", f"--workdir={tmp_path / 'run'}"])
 
 
+@pytest.mark.parametrize("error", ["sampling_stopped", "side_gone"])
+def test_a_checkpointed_stop_prints_one_line(tmp_path, monkeypatch, capsys, error):
+  """A sampling stop (data ran out, max_num_gen_batches) and the other side of a split gone
+  end a run that has saved what it could: one line and exit 2, not a traceback."""
+  from dapo_jax.trainer import rollout_process, train  # pylint: disable=g-import-not-at-top
+  made = {"sampling_stopped": train.SamplingStoppedError("Dynamic sampling stopped at step 3: "
+                                                         "raise data.num_epochs."),
+          "side_gone": rollout_process.SideGoneError("The rollout process has gone (EOFError) "
+                                                     "with the training process at step 3.")}
+
+  def stopped(*args, **kwargs):
+    raise made[error]
+  monkeypatch.setattr(train, "train_and_evaluate", stopped)
+  with pytest.raises(SystemExit) as exit_:
+    cli.exit_on_error("dapo-train", train_main.main,
+                      [f"--config={TINY}", f"--workdir={tmp_path / 'run'}"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines() == [f"dapo-train: error: {made[error]}"]
+
+
 def test_the_console_script_prints_one_line(tmp_path):
   """The real entry point (`python -m dapo_jax.main`): exit 2, one line on stderr."""
   proc = subprocess.run(

@@ -47,10 +47,19 @@ import jax
 from dapo_jax.infra import run_files
 
 CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading a checkpoint
+# Each end says it is alive every HEARTBEAT_S (from a thread of its own); no word for SILENCE_S
+# (a host down, a network cut: no closed connection reports them), or weights pulled but not
+# arrived in PULL_TIMEOUT_S, is the other process gone.
+HEARTBEAT_S, SILENCE_S, PULL_TIMEOUT_S = 10.0, 300.0, 600.0
 
 
 class PeerError(RuntimeError):
-  """The other process could not be reached, or ended."""
+  """The other process could not be reached, or ended (not a bug: printed in one line)."""
+  one_line = True  # `spec.cli.exit_on_error`
+
+
+class PeerGone(PeerError):
+  """The link ended (the other process exited, was killed, went silent or lost its link)."""
 
 
 class PeerAddressError(ValueError):
@@ -164,13 +173,18 @@ class Link:
   """One end of the two channels. ``Link.listen`` on the training process, ``Link.connect`` on
   the rollout process; each then knows the other's device count and transfer address."""
 
-  def __init__(self, conn: connection.Connection, host: str):
+  def __init__(self, conn: connection.Connection, host: str, other: str = "the other process",
+               agree: dict[str, str] | None = None):
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self._conn, self._send_lock = conn, threading.Lock()
+    self.other = other  # "the rollout process" / "the training process": which side went
+    self._inbox: list[tuple] = []
+    self.signalled: int | None = None  # a signal the other process was sent (`signal`)
+    self._closed = threading.Event()  # (ends the heartbeat)
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
-                         "platform": jax.default_backend(),
+                         "platform": jax.default_backend(), "agree": agree or {},
                          "process": [jax.process_index(), jax.process_count()]}))
     kind, hello = self.recv()
     if kind != "hello":
@@ -182,17 +196,20 @@ class Link:
           f"the training and rollout processes need the same device count and platform (the "
           f"weights keep their shard shapes): this one has {jax.local_device_count()} "
           f"{jax.default_backend()} devices, the other {hello['devices']} {hello['platform']}")
+    _check_agree(agree or {}, hello.get("agree", {}))
     if hello["process"] != [jax.process_index(), jax.process_count()]:
       raise PeerError(
           f"process {jax.process_index()} of {jax.process_count()} reached process "
           f"{hello['process'][0]} of {hello['process'][1]} of the other side: each side needs "
           "the same process count, and --peer's addresses in process order")
-    self._inbox: list[tuple] = []
+    threading.Thread(target=self._heartbeat, name="dapo-peer-heartbeat", daemon=True).start()
 
   @classmethod
-  def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
+  def listen(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S,
+             agree: dict[str, str] | None = None) -> Link:
     """The training process: waits for the rollout process to connect to ``peer`` (this
-    process's item, `process_peer`; `AUTO`: a free port, written to the workdir)."""
+    process's item, `process_peer`; `AUTO`: a free port, written to the workdir). ``agree``:
+    settings both must share (what decides the batches), checked at the handshake."""
     peer = process_peer(peer)
     if peer == AUTO:
       host, port = _advertised_host(), 0
@@ -214,12 +231,13 @@ class Link:
                       "--workdir)")
     if isinstance(got[0], BaseException):
       raise PeerError(f"the rollout process's connection to {peer} failed: {got[0]}")
-    return cls(got[0], host)
+    return cls(got[0], host, "the rollout process", agree)
 
   @classmethod
-  def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link:
+  def connect(cls, peer: str, workdir: str, timeout_s: float = CONNECT_TIMEOUT_S,
+              agree: dict[str, str] | None = None) -> Link:
     """The rollout process: connects to the training process at ``peer`` (retried until it
-    listens; ``peer``: as `listen`'s)."""
+    listens; ``peer``, ``agree``: as `listen`'s)."""
     peer = item = process_peer(peer)
     deadline = time.monotonic() + timeout_s
     while True:  # until it listens with the key it wrote for this launch
@@ -241,7 +259,7 @@ class Link:
           raise PeerError(f"the training process at {where} did not answer within "
                           f"{timeout_s:.0f} s ({e})") from e
         time.sleep(1.0)
-    return cls(conn, _local_address(host))
+    return cls(conn, _local_address(host), "the training process", agree)
 
   def send(self, msg: tuple) -> int:
     """Sends ``msg``; its size in bytes, pickled."""
@@ -250,28 +268,68 @@ class Link:
       try:
         self._conn.send_bytes(data)  # what Connection.send sends: `recv` reads it
       except (OSError, EOFError) as e:
-        raise PeerError(f"the other process has gone ({e})") from e
+        raise self._gone(e) from e
     return len(data)
 
   def recv(self) -> tuple:
-    """The next message."""
+    """The next message (a "signal" message is noted in ``signalled``, a heartbeat dropped);
+    `PeerGone` after SILENCE_S without a word."""
+    while (msg := self._recv()) is None:
+      pass
+    return msg
+
+  def _recv(self) -> tuple | None:
     try:
-      return self._conn.recv()
+      if not self._conn.poll(SILENCE_S):
+        raise PeerGone(f"{self.other} has gone (no word from it for {SILENCE_S:.0f} s, where "
+                       f"it says it is alive every {HEARTBEAT_S:.0f} s: its host down or the "
+                       "network cut?)")
+      msg = self._conn.recv()
     except (OSError, EOFError) as e:
-      raise PeerError(f"the other process has gone ({e})") from e
+      raise self._gone(e) from e
+    if msg[0] == "signal":
+      self.signalled = msg[2]
+    return None if msg[0] in ("signal", "heartbeat") else msg
+
+  def _heartbeat(self) -> None:
+    while not self._closed.wait(HEARTBEAT_S) and self._try_send(("heartbeat", None, None)):
+      pass
+
+  def _try_send(self, msg: tuple) -> bool:
+    try:
+      self.send(msg)
+    except PeerError:
+      return False
+    return True
+
+  def signal(self, signum: int) -> None:
+    """Tells the other process that this one was sent ``signum`` (its ``signalled``); never
+    raises or waits (a signal handler calls it, maybe while this thread holds the send lock)."""
+    threading.Thread(target=self._try_send, args=(("signal", None, signum),), daemon=True).start()
+
+  def poll_signal(self) -> int | None:
+    """The other process's signal, once its message came (others read meanwhile: kept)."""
+    while self.signalled is None and self._conn.poll(0):
+      msg = self._recv()
+      if msg is not None:
+        self._inbox.append(msg)
+    return self.signalled
+
+  def _gone(self, e: BaseException) -> PeerGone:
+    return PeerGone(f"{self.other} has gone ({str(e) or type(e).__name__})")
 
   def wait(self, kind: str, key: Any) -> tuple:
     """The first message ``(kind, key, payload)``; others that come first are kept for later."""
-    for i, msg in enumerate(self._inbox):
+    i = 0
+    while True:
+      if i == len(self._inbox):
+        self._inbox.append(self.recv())
+      msg = self._inbox[i]
+      if msg[0] == "error":  # (kept: every later wait raises it too)
+        raise PeerError(f"{self.other} stopped: {msg[2]}")
       if msg[:2] == (kind, key):
         return self._inbox.pop(i)
-    while True:
-      msg = self.recv()
-      if msg[0] == "error":
-        raise PeerError(f"the rollout process stopped: {msg[2]}")
-      if msg[:2] == (kind, key):
-        return msg
-      self._inbox.append(msg)
+      i += 1
 
   def offer(self, key: int, tree: Any) -> dict[str, Any]:
     """Offers ``tree`` (arrays on this process's devices) for one pull under ``key``; what the
@@ -289,12 +347,33 @@ class Link:
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(spec, mesh))
              for shape, dtype, spec in offer["leaves"]]
     leaves = self._pulls.pull(offer["key"], specs)
+    deadline = time.monotonic() + PULL_TIMEOUT_S  # (the pull's own timeout never fired here)
+    while not all(x.is_ready() for x in leaves):
+      if time.monotonic() > deadline:
+        raise PeerGone(f"the weights {self.other} offered (key {offer['key']}) did not arrive "
+                       f"within {PULL_TIMEOUT_S:.0f} s")
+      time.sleep(0.002)
     nbytes = sum(int(x.nbytes) for x in leaves)
     return jax.tree.unflatten(offer["treedef"], leaves), nbytes
 
   def close(self) -> None:
+    self._closed.set()
     with contextlib.suppress(OSError):
       self._conn.close()
+
+
+def _check_agree(here: dict[str, str], there: dict[str, str]) -> None:
+  """`Link`'s ``agree`` settings against the other process's (one line naming a difference)."""
+  differ = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
+  if not differ:
+    return
+  shown = "; ".join(f"{k}={here.get(k, '(unset)')} here, {there.get(k, '(unset)')} there"
+                    for k in differ[:3])
+  more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+  raise PeerError(
+      f"the training and rollout processes run different configs: {shown}{more}. Start both "
+      "with the same --config and overrides (the settings that decide the batches: seed, "
+      "data, model, tokenizer, rollout, reward, algorithm, eval, optim.train_batch_size)")
 
 
 def _accept(listener: connection.Listener):

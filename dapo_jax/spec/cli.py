@@ -272,15 +272,18 @@ def tracebacks_except(*user_errors: type[BaseException]) -> Iterator[None]:
 
 def exit_on_error(prog: str, main: Callable[[list[str]], object],
                   argv: Sequence[str] | None = None) -> None:
-  """Console entry point: a bad flag, config value or path prints one line and exits with 2
+  """Console entry point: a bad flag, config value or path (or an error whose class sets
+  ``one_line``, e.g. the other process of a split gone) prints one line and exits with 2
   (argparse's code for a usage error), not a trace. ``argv`` defaults to ``sys.argv[1:]``; then
   this is the process's command and it ends with `exit_process` (tests pass ``argv`` and get
   ``SystemExit``)."""
   leave = sys.exit if argv is not None else exit_process
   try:
     out = main(list(sys.argv[1:] if argv is None else argv))
-  except (flags.Error, ValueError, OSError, NotImplementedError) as e:
-    if getattr(e, _KEEP_TRACEBACK, False):
+  except Exception as e:  # pylint: disable=broad-except  (re-raised unless a user's answer)
+    one_line = (isinstance(e, (flags.Error, ValueError, OSError, NotImplementedError))
+                or getattr(e, "one_line", False))  # e.g. the other process of a split gone
+    if not one_line or getattr(e, _KEEP_TRACEBACK, False):
       raise
     print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
     leave(2)

@@ -32,6 +32,10 @@ import numpy as np
 
 _log = logging.getLogger(__name__)
 
+# How long `OverlappedExperience.close` waits for the rollout thread: a batch in flight stops
+# at its next chunk (seconds), but a chunk stuck (a collective whose peer died) never returns.
+CLOSE_TIMEOUT_S = 300.0
+
 
 @dataclasses.dataclass
 class Experience:
@@ -128,6 +132,7 @@ class OverlappedExperience:
     self._results: dict[int, Experience | BaseException] = {}
     self._tasks: list[tuple[int, Callable[[], None]]] = []  # (after batch, task): `run_after`
     self._done = self._started = start_step - 1  # the last batch produced / started
+    self._ended = False  # no batch comes any more (the last produced, or one failed)
     self._task_s = 0.0  # seconds the thread spent on tasks (not idle)
     self._stop = False
     self.updated(start_step, params)
@@ -176,12 +181,12 @@ class OverlappedExperience:
 
   def run_after(self, batch: int | None, task: Callable[[], None]) -> None:
     """Runs ``task`` on the rollout thread once it has produced step ``batch``'s batch, before
-    it starts the next one (or after its last); None: after the batch it is on (at once when
-    it waits). The place in the thread's work is then fixed by ``batch`` alone, so the
-    processes of a rollout group run it between the same two batches (their collectives stay
-    in the same order). ``batch`` must be a batch whose successor cannot start before the task
-    is registered: one whose next version is not yet handed over (`rollout_process`'s
-    evaluations)."""
+    it starts the next one (or after its last, or once a batch fails: no later batch comes);
+    None: after the batch it is on (at once when it waits). The place in the thread's work is
+    then fixed by ``batch`` alone, so the processes of a rollout group run it between the same
+    two batches (their collectives stay in the same order). ``batch`` must be a batch whose
+    successor cannot start before the task is registered: one whose next version is not yet
+    handed over (`rollout_process`'s evaluations)."""
     with self._cond:
       if batch is not None and batch < self._started:
         raise RuntimeError(f"run_after({batch}): the rollout thread has started batch "
@@ -200,14 +205,19 @@ class OverlappedExperience:
     with self._cond:
       self._stop = True
       self._cond.notify_all()
-    self._thread.join()
+    self._thread.join(CLOSE_TIMEOUT_S)
+    if self._thread.is_alive():  # a daemon: it ends with the process, which is stopping
+      _log.warning("The rollout thread did not stop within %.0f s of the close (a chunk or an "
+                   "evaluation that does not return); leaving it behind.", CLOSE_TIMEOUT_S)
 
   def _wait_for(self, version: int | None) -> tuple[Any, float]:
     """Version ``version``'s hand-off, once every task due before it has run (None: only the
     tasks, until the source is closed)."""
     while True:
       with self._cond:
-        due = [t for t in self._tasks if t[0] is None or t[0] <= self._done]
+        # Once no batch comes (one failed), a task after a batch never produced is due too:
+        # every process of a rollout group fails at the same batch, so all still run it.
+        due = [t for t in self._tasks if t[0] is None or t[0] <= self._done or self._ended]
         if not due:
           if version in self._weights:
             return self._weights[version]
@@ -255,6 +265,8 @@ class OverlappedExperience:
         self._cond.notify_all()
       if isinstance(out, BaseException):
         break
+    with self._cond:
+      self._ended = True
     with contextlib.suppress(_Stopped):  # the tasks still to come (evaluations), until closed
       self._wait_for(None)
 

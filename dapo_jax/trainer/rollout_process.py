@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import signal
 import threading
 import time
 from typing import Any, Callable
 
 import jax
 
-from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, process_peer
+from dapo_jax.infra.peer_link import Link, PeerAddressError, PeerError, PeerGone, process_peer
 from dapo_jax.trainer import experience as exp_lib
+
+_log = logging.getLogger(__name__)
 
 ROLES = ("both", "train", "rollout")
 _EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (sampling: version)
@@ -48,6 +52,15 @@ _EVAL_KEY = 1 << 40  # transfer keys of evaluation weights: version + this (samp
 
 class RoleError(ValueError):
   """``--role`` / ``--peer`` do not fit the run (one line: what to change)."""
+
+
+class SideGoneError(PeerError):
+  """The other side of a split has gone or stopped: this side ends in one line saying which
+  side, at which step, what was saved and how to relaunch (a non-zero exit, no traceback)."""
+
+
+RELAUNCH = ("relaunch both processes (--role=train and --role=rollout) with the same --config "
+            "and --workdir to resume")
 
 
 def check_role(role: str, peer: str, spec) -> None:
@@ -71,6 +84,34 @@ def check_role(role: str, peer: str, spec) -> None:
                      "rollout has a process of its own; set config.rollout_devices=0")
 
 
+# What decides the batches: the two processes must agree on it (checked at the handshake).
+# The rest (the optimizer, checkpoints, logging, meshes of the update) is the training
+# process's alone; save_every and num_steps come with its "start".
+BATCH_SETTINGS = ("seed", "data", "model", "tokenizer", "rollout", "reward", "algorithm", "eval",
+                  "rollout_mesh", "optim.train_batch_size")
+
+
+def batch_settings(config) -> dict[str, str]:
+  """``config``'s `BATCH_SETTINGS`, one entry per leaf ("rollout.n": "16"), for `Link`'s
+  ``agree``."""
+  out: dict[str, str] = {}
+
+  def leaves(prefix: str, value: Any) -> None:
+    if hasattr(value, "items"):
+      for k, v in value.items():
+        leaves(f"{prefix}.{k}", v)
+    else:
+      out[prefix] = repr(value)
+
+  flat = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  for name in BATCH_SETTINGS:
+    node: Any = flat
+    for part in name.split("."):
+      node = node.get(part) if hasattr(node, "get") else None
+    leaves(name, node)
+  return out
+
+
 class RemoteExperience:
   """The training process's experience source: batches sampled by the rollout process, weights
   offered to it after each update (`experience.OverlappedExperience`'s interface and schedule,
@@ -82,6 +123,8 @@ class RemoteExperience:
                lora_base: dict[str, Any] | None = None):
     self.link, self._to_rollout, self.max_staleness = link, to_rollout, max_staleness
     self._start, self._end, self._save_every = start_step, num_steps, max(save_every, 1)
+    self.last_resume: dict[str, Any] | None = None  # the last batch's (None: none this launch)
+    self._gone: PeerError | None = None  # the link ended where the loop could not be told
     link.send(("start", None, {"start_step": start_step, "num_steps": num_steps,
                                "save_every": save_every, "max_staleness": max_staleness,
                                "partial": partial, "resume": resume, "lora_base": lora_base}))
@@ -89,6 +132,8 @@ class RemoteExperience:
 
   def next(self, step: int, params: Any) -> exp_lib.Experience:
     del params
+    if self._gone is not None:
+      raise self._gone
     t0 = time.perf_counter()
     _, _, out = self.link.wait("experience", step)
     if isinstance(out, BaseException):
@@ -96,13 +141,20 @@ class RemoteExperience:
     _, _, nbytes = self.link.wait("sent", step)  # the batch's size, as the rollout sent it
     out.times["trainer_idle"] = time.perf_counter() - t0
     out.times["batch_bytes"] = float(nbytes)
+    self.last_resume = out.resume_state
     return out
 
   def updated(self, step: int, params: Any) -> None:
-    if not exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
-                                  self._end):
+    if self._gone is not None:
       return
-    self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
+    try:
+      if exp_lib.version_needed(step, self.max_staleness, self._save_every, self._start,
+                                self._end):
+        self.link.send(("weights", step, _offer(self.link, self._to_rollout, step, params)))
+      else:  # the step reached, for the rollout process's last word if this one goes
+        self.link.send(("step", step, None))
+    except PeerError as e:  # raised by the next `next`, once the step reached is logged
+      self._gone = e
 
   def evaluate(self, params: Any, step: int) -> dict[str, float]:
     """The rollout process's evaluation of ``params`` (version ``step``). On one process it
@@ -113,11 +165,28 @@ class RemoteExperience:
     if jax.process_count() > 1:
       after = exp_lib.last_batch_sampled_by(step, self.max_staleness, self._save_every,
                                             self._start, self._end)
-    return evaluate(self.link, self._to_rollout, params, step, after)
+    if self._gone is None or step >= self._end:
+      try:
+        return evaluate(self.link, self._to_rollout, params, step, after)
+      except PeerError as e:
+        if step >= self._end:  # the run's last evaluation: the loop has saved the last step
+          raise
+        self._gone = e  # raised by the next `next`, once this step is logged and saved
+    _log.warning("Step %d's evaluation is lost: %s.", step, self._gone)
+    return {}
 
   @contextlib.contextmanager
   def exclusive(self):
     yield  # the rollout process evaluates between its batches (`evaluate`)
+
+  def stop_requested(self) -> bool:
+    """Whether the rollout process was sent SIGTERM (`serve`): then this run checkpoints at
+    the step reached and stops, as if it had been sent the signal itself."""
+    try:
+      return self.link.poll_signal() is not None
+    except PeerError as e:  # gone: raised by the next `next`, once the step is saved
+      self._gone = e
+      return False
 
   def close(self) -> None:
     with contextlib.suppress(PeerError):
@@ -151,14 +220,19 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
   ``restore`` sets the data's resume state; ``mesh`` is the rollout mesh (None on one
   device); ``receive`` makes the weights the samplers read from what was pulled (default: as
   pulled); ``lora_base``: this process's frozen base (`checkpoints.lora_base.record`; None: no
-  LoRA), which must be the training process's."""
+  LoRA), which must be the training process's. SIGTERM here is passed on to the training
+  process, which stops the run (`_forward_stop_signals`); the training process gone ends it
+  with `SideGoneError` (one line)."""
   source: exp_lib.OverlappedExperience | None = None
+  stack = contextlib.ExitStack()
   receive = receive or (lambda moved: moved)
+  at = None  # the training process's step reached: its newest "weights" or "step" message
 
   def pulled(offer):  # the source's "to_rollout": the weights arrive by their key
     return link.pull(offer, mesh)[0]
 
   try:
+    stack.enter_context(_forward_stop_signals(link))
     while True:
       msg = link.recv()
       kind = msg[0]
@@ -177,8 +251,11 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
         base_lib.check("the training process", cfg["lora_base"], lora_base,
                        "start both processes with the same --config (model.checkpoint, seed "
                        "and model.lora)")
+        at = cfg["start_step"]
         if cfg["resume"]:
           restore(cfg["resume"])
+        if cfg["start_step"] >= cfg["num_steps"]:
+          continue  # a finished run relaunched: no batch, no weights; evaluations run at once
         first = link.wait("weights", cfg["start_step"])[2]
         source = exp_lib.OverlappedExperience(
             sample, pulled, resume_state, max_staleness=cfg["max_staleness"],
@@ -188,16 +265,46 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
         threading.Thread(target=_send_batches, name="dapo-rollout-send", daemon=True,
                          args=(link, source, cfg["start_step"], cfg["num_steps"])).start()
       elif kind == "weights":
+        at = msg[1]
         source.updated(msg[1], msg[2])
+      elif kind == "step":
+        at = msg[1]
       else:
         raise PeerError(f"unexpected message {kind!r} from the training process")
+  except PeerGone as e:  # nobody left to tell
+    raise SideGoneError(
+        f"{str(e)[0].upper()}{str(e)[1:]} at step {at}. This process saves nothing: the "
+        f"training process writes the checkpoints; {RELAUNCH} from its newest.") from None
   except BaseException as e:
     with contextlib.suppress(PeerError):  # the trainer stops with this process's reason
       link.send(("error", None, f"{type(e).__name__}: {e}"))
     raise
   finally:
+    stack.close()
     if source is not None:
       source.close()
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(link: Link):
+  """SIGTERM (a preempted host, `scancel`) on the rollout process: it tells the training
+  process, which checkpoints at the step reached and says stop, and serves until then (dying
+  at once would take the stop checkpoint with it). Main thread only (Python's signals)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def forward(signum, frame):
+    del frame
+    _log.warning("Received signal %d: the training process checkpoints at the step it reaches "
+                 "and stops this process then.", signum)
+    link.signal(signum)
+
+  previous = signal.signal(signal.SIGTERM, forward)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _evaluate(link: Link, evaluator: Callable[..., dict[str, float]],
@@ -213,7 +320,8 @@ def _evaluate(link: Link, evaluator: Callable[..., dict[str, float]],
 
 
 def _send_batches(link: Link, source, start: int, end: int) -> None:
-  """The rollout process's batches, in step order, as they are ready."""
+  """The rollout process's batches, in step order, as they are ready. One that cannot be sent
+  (a batch or an error that does not pickle) stops the training process with the reason."""
   for step in range(start, end):
     try:
       out = source.next(step, None)
@@ -224,6 +332,12 @@ def _send_batches(link: Link, source, start: int, end: int) -> None:
     try:
       link.send(("sent", step, link.send(("experience", step, out))))
     except PeerError:
+      return
+    except Exception as e:  # pylint: disable=broad-except  (the trainer waits for this step)
+      reason = f"step {step}'s batch could not be sent: {type(e).__name__}: {e}"
+      _log.error("Rollout process: %s.", reason)
+      with contextlib.suppress(PeerError):
+        link.send(("error", None, reason))
       return
     if isinstance(out, BaseException):
       return

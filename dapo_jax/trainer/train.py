@@ -72,6 +72,7 @@ class _StopRequest:
 
   def __init__(self):
     self.signum: int | None = None
+    self.also: Any = None  # () -> bool: a stop asked elsewhere (a rollout process's SIGTERM)
     self._previous = {}
     self._jax_service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
 
@@ -100,12 +101,13 @@ class _StopRequest:
     self.restore()
 
   def requested(self, step: int) -> bool:
+    asked = self.signum is not None or bool(self.also is not None and self.also())
     if jax.process_count() == 1:
-      return self.signum is not None
+      return asked
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    if self._jax_service:
+    if self._jax_service:  # (a rollout process's signal is not seen: JAX's service decides)
       return bool(multihost_utils.reached_preemption_sync_point(step))
-    flags = multihost_utils.process_allgather(np.int32(self.signum is not None))
+    flags = multihost_utils.process_allgather(np.int32(asked))
     return bool(np.any(flags))
 
 
@@ -122,7 +124,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   spec = RunSpec.from_config(config, num_devices=jax.device_count())  # validated here, once
   rollout_process.check_role(role, peer, spec)
   if role == "rollout":
-    return _serve_rollout(spec, workdir, peer)
+    return _serve_rollout(spec, workdir, peer, rollout_process.batch_settings(config))
   # Before anything is built or written: a refused relaunch leaves the workdir as it was.
   # Storage down at launch: retried for checkpoint.storage_wait_s, then one line.
   launch = run_files.retry_transient(
@@ -141,8 +143,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     evaluating = bool(run.eval_records and spec.eval.every)
     link = None
     if role == "train":  # the rollout runs in the process that connects to ``peer``
-      link = teardown.enter_context(contextlib.closing(
-          rollout_process.Link.listen(peer, str(workdir))))
+      link = teardown.enter_context(contextlib.closing(rollout_process.Link.listen(
+          peer, str(workdir), agree=rollout_process.batch_settings(config))))
       evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout.send)
     else:
       evaluate = lambda params, step: evaluator(run.to_rollout(params), step=step)  # noqa: E731
@@ -170,6 +172,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           partial=spec.algorithm.partial_rollouts,
           resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
       evaluate = source.evaluate  # placed among the rollout's batches from now on
+      stop.also = source.stop_requested  # SIGTERM on the rollout process stops here too
     else:
       source = exp_lib.open_source(
           staleness, functools.partial(_sample, spec, run), run.to_rollout,
@@ -185,6 +188,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           exp = source.next(step, state.params)
         except DynamicSamplingError as err:
           raise _sampling_stopped(err, step, spec, run, state) from err
+        except rollout_process.PeerError as err:  # --role=train: the rollout process went
+          raise _rollout_gone(err, step, run, state, source) from None
         traj, ds_stats, diag = exp.batch
         adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
       with timer("old_logprob"):
@@ -230,9 +235,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        "(storage), the newest is step %s. Relaunch with the same --workdir to "
                        "resume from it.", step + 1, run.checkpointer.latest_step())
         return {**result, "stopped_at_step": float(step + 1)}
-    _last_save_landed(run, spec.num_steps, state)
+    # (the last batch's data state: on --role=train this process's iterator never moves)
+    _last_save_landed(run, spec.num_steps, state,
+                      exp.resume_state if spec.num_steps > start_step else None)
     if evaluating and not any(k.startswith("eval/") for k in result):
-      final = evaluate(state.params, spec.num_steps)
+      try:
+        final = evaluate(state.params, spec.num_steps)
+      except rollout_process.PeerError as err:  # its step is saved: a relaunch evaluates it
+        raise _rollout_gone(err, spec.num_steps, run, state, source) from None
       writer.write_scalars(spec.num_steps, final)
       result.update(final)
     writer.flush()
@@ -241,9 +251,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return result
 
 
-def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
+def _serve_rollout(spec: RunSpec, workdir: str, peer: str, agree: dict[str, str]
+                   ) -> dict[str, float]:
   """``--role=rollout``: the rollout side of the run that the training process at ``peer``
-  drives (`rollout_process.serve`); writes nothing to ``workdir`` but the compilation cache."""
+  drives (`rollout_process.serve`); writes nothing to ``workdir`` but the compilation cache.
+  ``agree``: the config's settings that decide the batches (the training process's must be
+  the same: `rollout_process.batch_settings`)."""
   compile_cache.setup(spec.compilation_cache_dir, run_files.resolve(workdir))
   with contextlib.ExitStack() as teardown:
     compiles = teardown.enter_context(compile_cache.CompileCounter())
@@ -253,7 +266,7 @@ def _serve_rollout(spec: RunSpec, workdir: str, peer: str) -> dict[str, float]:
     evaluator = eval_lib.Evaluator(spec, run.rollout, run.tokenizer, run.scorer,
                                    run.eval_records)
     link = teardown.enter_context(contextlib.closing(
-        rollout_process.Link.connect(peer, str(workdir))))
+        rollout_process.Link.connect(peer, str(workdir), agree=agree)))
     _log.info("Rolling out for the training process at %s.", peer)
 
     def sample(weights, step, version, newest=None, check=None):
@@ -537,6 +550,8 @@ class SamplingStoppedError(RuntimeError):
   next launch on the same workdir (e.g. with a higher limit) starts from them.
   """
 
+  one_line = True  # what to change, not a bug: dapo-train prints it in one line
+
 
 def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: run_setup.Run,
                       state: TrainState) -> SamplingStoppedError:
@@ -563,12 +578,38 @@ def _sampling_stopped(err: DynamicSamplingError, step: int, spec: RunSpec, run: 
       "are used first when the run is relaunched on the same --workdir.")
 
 
-def _last_save_landed(run: run_setup.Run, step: int, state: TrainState) -> None:
-  """Waits for the run's last checkpoint; one lost to a storage outage is saved again until it
-  lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
+def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
+                  state: TrainState, source) -> rollout_process.SideGoneError:
+  """The rollout process has gone or stopped with the trainer at ``step``: what was trained
+  this launch is saved at the step reached (as a SIGTERM stop saves it; one process a side:
+  on several, the others may not know yet) and one line says what to do."""
+  last = getattr(source, "last_resume", None)  # the last trained batch's data state
+  if jax.process_count() == 1:  # (on several, a save or a wait is a collective: not here)
+    run.checkpointer.wait_until_finished()  # a save under way lands first
+    if last is not None and run.checkpointer.latest_step() != step:
+      _save(run, step, state, resume=last)
+      run.checkpointer.wait_until_finished()
+  newest = run.checkpointer.latest_step()
+  if newest == step:
+    saved = f"Step {step} is saved in {run.checkpointer.directory}"
+  elif newest is None:
+    saved = "No checkpoint is saved yet"
+  else:
+    saved = f"The newest checkpoint is step {newest} in {run.checkpointer.directory}"
+  text = str(err)
+  return rollout_process.SideGoneError(
+      f"{text[0].upper()}{text[1:]} with the training process at step {step}. {saved}; "
+      f"{rollout_process.RELAUNCH} from it.")
+
+
+def _last_save_landed(run: run_setup.Run, step: int, state: TrainState,
+                      resume: dict[str, Any] | None) -> None:
+  """Waits for the run's last checkpoint; one lost to a storage outage is saved again (with
+  ``resume``, the last batch's data state, as the lost one; None: none trained this launch)
+  until it lands, or until checkpoint.max_consecutive_failed_saves in a row stop the run."""
   while not run.checkpointer.wait_until_finished():
     time.sleep(run_files.RETRY_WAIT_S)
-    _save(run, step, state)
+    _save(run, step, state, resume=resume)
 
 
 def _save(run: run_setup.Run, step: int, state: TrainState, force: bool = False,
