@@ -184,12 +184,18 @@ def test_packed_loss_and_gradients_equal_the_padded_path_in_every_mode(setup, mo
   """Every loss aggregation, with the KL term, the entropy bonus, the overlong filter and a
   sequence-mask rollout correction live, in 2 micro-batches: the same loss, metrics, gradients."""
   h = setup["host"]
-  kw = dict(loss_agg_mode=mode, num_micro_batches=2, use_kl_loss=True, entropy_coeff=0.01,
-            overlong_filter=True, rollout_is="sequence_mask", rollout_is_band=(0.05, 20.0))
-  g_pad, m_pad = _grads(setup, _padded_batch(h), **kw)
+  cfg = setup["cfg"].replace(
+      loss_agg_mode=mode, num_micro_batches=2, use_kl_loss=True, entropy_coeff=0.01,
+      overlong_filter=True, rollout_is="sequence_mask", rollout_is_band=(0.05, 20.0))
   lay = packing.pack_layout(h["attn"], 24, 1, 4)
   assert lay.num_micro > 1
-  g_pk, m_pk = _grads(setup, _packed_batch(h, lay), **kw)
+  grads = functools.partial(ts.loss_and_grads, setup["graphdef"], cfg)
+  state = setup["state"]
+  # Both paths in one program: one compile a mode.
+  both = jax.jit(lambda a, b: (grads(state.params, state.rest, a)[:2],
+                               grads(state.params, state.rest, b)[:2]))
+  (g_pad, m_pad), (g_pk, m_pk) = jax.tree.map(
+      np.asarray, both(_padded_batch(h), _packed_batch(h, lay)))
   assert m_pad["rollout_is_weight"] < 1.0  # some sequences left the loss
   for k in m_pad:
     np.testing.assert_allclose(m_pk[k], m_pad[k], atol=TOL, rtol=TOL, err_msg=k)
@@ -203,18 +209,24 @@ def test_packed_batches_refuse_verls_micro_batch_loss(setup):
            micro_batch_loss="verl")
 
 
-@pytest.mark.parametrize("axes", [(("data", 2), ("fsdp", 2), ("tensor", 2)),
-                                  (("data", 1), ("fsdp", 8), ("tensor", 1))])
-def test_packed_step_sharded_over_8_devices_equals_the_padded_step(setup, axes):
-  """Two updates of the compiled step on 8 simulated devices, packed for the mesh's batch
-  shards, against the padded step on one device."""
-  h = setup["host"]
+@pytest.fixture(scope="module")
+def padded_steps(setup):
+  """Two padded updates on one device (2 micro-batches): the sharded packed runs' reference."""
   cfg = setup["cfg"].replace(num_micro_batches=2, eps=1e-6)
   ref_step = ts.TrainStep(setup["graphdef"], cfg)
   state = jax.tree.map(jnp.asarray, setup["state"])
   for s in range(2):
-    state, ref_metrics = ref_step(state, jax.tree.map(jnp.asarray, _padded_batch(h)), s)
-  ref_params = jax.tree.map(np.asarray, state.params)
+    state, metrics = ref_step(state, jax.tree.map(jnp.asarray, _padded_batch(setup["host"])), s)
+  return cfg, jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, metrics)
+
+
+@pytest.mark.parametrize("axes", [(("data", 2), ("fsdp", 2), ("tensor", 2)),
+                                  (("data", 1), ("fsdp", 8), ("tensor", 1))])
+def test_packed_step_sharded_over_8_devices_equals_the_padded_step(setup, padded_steps, axes):
+  """Two updates of the compiled step on 8 simulated devices, packed for the mesh's batch
+  shards, against the padded step on one device."""
+  h = setup["host"]
+  cfg, ref_params, ref_metrics = padded_steps
 
   mesh = shd.make_mesh(axes)
   shards = packing.num_batch_shards(mesh)
