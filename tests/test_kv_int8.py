@@ -6,6 +6,7 @@ int8 cache; the default dtype untouched."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +183,27 @@ def test_continuous_engine_with_an_int8_cache_samples_records_logprobs_and_preem
   same = np.cumprod(paged8.response_ids == ref.response_ids, axis=1).astype(bool) & real
   gap = np.abs(paged8.logprobs - ref.logprobs)[same]
   assert same.sum() > 20 and 0 < gap.max() < 0.05, (same.sum(), gap.max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]')")
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3fn"])
+def test_int8_paged_kernel_compiles_for_tpu(name):
+  """The Pallas TPU paged kernel over an 8-bit pool ([K, P, T, E + 4]: split into its values
+  and QuantizedTensor scales) compiles for a v5p chip with libtpu, at the 32B shard's shape
+  (5 query heads, 1 KV head, E = 128, pages of 64)."""
+  from dapo_jax.planner import targets as plan_targets  # pylint: disable=g-import-not-at-top
+  plan_targets.prepare_libtpu_env("tpu:v5p:2x2x1")
+  device = plan_targets.tpu_devices("v5p:2x2x1")[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  n, h, kh, e, p, t, m = 16, 5, 1, 128, 256, 64, 16
+  pool = spec((kh, p, t, e + kv_quant.SCALE_BYTES), kv_quant.QUANTIZED[name])
+  mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+  with attention.compile_for("tpu"), jax.set_mesh(mesh):
+    lowered = jax.jit(functools.partial(pa.paged_decode_attention, impl="pallas_tpu")).lower(
+        spec((n, h, e), jnp.bfloat16), pool, pool, spec((n, m), jnp.int32),
+        spec((n,), jnp.int32))
+    compiled = lowered.compile()  # raises if libtpu's Mosaic compiler rejects the kernel
+  assert lowered.out_info.shape == (n, h, e)
+  assert "tpu_custom_call" in compiled.as_text()
