@@ -96,10 +96,11 @@ def _with_kv(graphdef, state, kv_cache_dtype):
   return nnx.split(model)[0]
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_int8_decode_steps_dense_and_paged_agree_and_stay_near_full_precision(scan):
+def test_int8_decode_steps_dense_and_paged_agree_and_stay_near_full_precision():
   """Prefill, then 6 fed tokens: the int8 dense step and the int8 paged step (shared prompt
-  pages, copy-on-write) give the same logits, within 0.05 of the full-precision step's."""
+  pages, copy-on-write) give the same logits, within 0.05 of the full-precision step's.
+  Scanned layers (the stacked caches); the engine test below runs the unrolled model."""
+  scan = True
   from dapo_jax.models import create_model, get_preset  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout import slots as sl  # pylint: disable=g-import-not-at-top
   g, steps, t = 2, 6, 4
@@ -207,3 +208,16 @@ def test_int8_paged_kernel_compiles_for_tpu(name):
     compiled = lowered.compile()  # raises if libtpu's Mosaic compiler rejects the kernel
   assert lowered.out_info.shape == (n, h, e)
   assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_auto_reads_an_8bit_pool_with_the_xla_path_everywhere():
+  """The kernels would have an 8-bit pool split or dequantized every call (a compiled v5p
+  chunk's temporaries 4-5x the pool: tests/test_kv_int8_pool.py), so "auto" runs the XLA
+  paged path, in the split layout; a kernel named explicitly is still used."""
+  for platform in ("tpu", "gpu", "cpu"):
+    for dt in (jnp.int8, jnp.float8_e4m3fn):
+      assert pa.resolve_paged_impl("auto", platform, head_dim=128, dtype=dt) == "xla"
+      assert not pa.uses_combined_pool("auto", platform, dtype=dt)
+  assert pa.resolve_paged_impl("auto", "tpu", head_dim=128, dtype=jnp.bfloat16) == "ragged_tpu"
+  assert pa.uses_combined_pool("auto", "tpu", dtype=jnp.bfloat16)
+  assert pa.resolve_paged_impl("pallas_tpu", "tpu", head_dim=128, dtype=jnp.int8) == "pallas_tpu"

@@ -44,7 +44,8 @@ reads the values and scales in place (scales on the fp32 scores and on the proba
 The JAX kernels take scales in arrays of their own ("pallas_tpu": `QuantizedTensor` scales
 broadcast over E; "pallas_gpu": [K, P, T]; "ragged_tpu": one scalar per pool), so for them the
 pool is split (values, scales) or dequantized ("ragged_tpu") before the call: correct, but a
-copy of the layer's pool per call, not yet the halved read (docs/kv_int8.md).
+copy of the layer's pool per call, not yet the halved read (docs/kv_int8.md); so "auto" runs
+"xla" over an 8-bit pool (`resolve_paged_impl`), and a kernel is used only when named.
 """
 
 from __future__ import annotations
@@ -77,11 +78,14 @@ def _divisor_at_most(m: int, cap: int) -> int:
   return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
 
 
-def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None
-                       ) -> str:
+def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None,
+                       dtype=None) -> str:
   """The kernel ``impl`` means on ``platform`` (default: the one being compiled for) for heads
-  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit). A TPU kernel named for
-  a head_dim it cannot tile is an error when compiling for a TPU."""
+  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit) over a pool of
+  ``dtype`` (None: not known). A TPU kernel named for a head_dim it cannot tile is an error
+  when compiling for a TPU. "auto" over an 8-bit pool is "xla", which reads its pages and
+  scales in place: the kernels would have the layer's pool split or dequantized for every call
+  (module docstring; a compiled TPU chunk's temporaries came to 4-5x the int8 pool)."""
   if impl not in PAGED_IMPLS:
     raise ValueError(f"paged attention impl={impl!r}; choose one of {PAGED_IMPLS}.")
   platform = platform or attention._backend()  # pylint: disable=protected-access
@@ -92,14 +96,17 @@ def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | N
                      "'auto' (the XLA paged path there) or 'xla'.")
   if impl != "auto":
     return impl
+  if dtype is not None and kv_quant.is_quantized(dtype):
+    return "xla"
   if platform == "tpu" and not lanes_ok:
     return "xla"
   return {"tpu": "ragged_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
-def uses_combined_pool(impl: str, platform: str | None = None) -> bool:
-  """Whether the pool for `impl` is kept in the combined [P, T, 2K, E] layout."""
-  return resolve_paged_impl(impl, platform) == "ragged_tpu"
+def uses_combined_pool(impl: str, platform: str | None = None, dtype=None) -> bool:
+  """Whether the pool for `impl` (over a pool of `dtype`) is kept in the combined [P, T, 2K, E]
+  layout."""
+  return resolve_paged_impl(impl, platform, dtype=dtype) == "ragged_tpu"
 
 
 def block_pages(page_size: int, platform: str | None = None) -> int:
@@ -329,7 +336,7 @@ def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: 
   ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla").
   ``layer``: k and v are stacked split [L, K, P, T, E] pools and this layer is read ("pallas_gpu"
   in place, `gpu_stacked_paged_attention`; the others from the layer's slice)."""
-  impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1])
+  impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1], dtype=k_KxPxTxE.dtype)
   if layer is not None:
     if impl == "pallas_gpu":
       return gpu_stacked_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N,
@@ -357,7 +364,7 @@ def attend_shards(q_SxNxHxE: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
   active activation mesh in a `shard_map`: shards over the batch axes, KV heads (and their
   query heads) over `tensor` when both divide; a stacked pool goes in whole, so that each
   device reads its own [L, K/tensor, P, T, E] in place."""
-  impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1])
+  impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1], dtype=k_pool.dtype)
   stacked = layer is not None
   attend = lambda q, k, v, table, length: paged_decode_attention(q, k, v, table, length,
                                                                  impl=impl, layer=layer)

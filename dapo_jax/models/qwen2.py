@@ -194,7 +194,7 @@ class Attention(nnx.Module):
       k_l, v_l = k_pool.reshape(lead + (-1,) + k_pool.shape[-3:]), None
       table = jnp.maximum(table, 0) + layer * num_pages
     elif layer is not None and paged_attention.resolve_paged_impl(
-        impl, head_dim=q_Nx1xHxE.shape[-1]) == "pallas_gpu":
+        impl, head_dim=q_Nx1xHxE.shape[-1], dtype=k_pool.dtype) == "pallas_gpu":
       # The stacked split pool goes to the kernel whole, read in place at the layer's pages
       # (`paged_attention.gpu_stacked_paged_attention`): a layer's slice would be copied.
       k_l, v_l, kernel_layer = k_pool, v_pool, layer
