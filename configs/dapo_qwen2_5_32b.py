@@ -16,6 +16,10 @@ v5p-64 (32 chips): 16 roll out, 16 train. `dapo-plan` prices it in its overlap b
 closed form a 16/16 split of a v5p-64 is slower than the serial step (1.59 h vs 1.08 h with
 the trainer packed, 2.90 h vs 2.15 h padded; docs/overlap.md), as both phases scale with their chips: it pays where a phase does not
 (long-tail decoding, host and reward time), which only a measured run shows.
+
+:dapo_kv_int8 is :dapo with the rollout's KV cache in int8 (a scale per token and KV head:
+about half the bytes a decode step reads, twice the tokens in the same pool) and token-TIS for
+the sampler/trainer mismatch it adds (docs/kv_int8.md).
 """
 
 from dapo_jax.config import default_config
@@ -54,6 +58,11 @@ def get_config(arg: str | None = None):
   c.dcn_mesh = ""
 
   row = arg or "dapo"
+  if row == "dapo_kv_int8":
+    c = get_config("dapo")
+    c.rollout.kv_cache_dtype = "int8"  # half the KV bytes a decode step reads (docs/kv_int8.md)
+    c.algorithm.rollout_is = "token_truncated"  # the sampler/trainer mismatch it adds
+    return c
   if row == "dapo_overlap":
     c = get_config("dapo")
     c.algorithm.max_staleness = 1
@@ -64,7 +73,7 @@ def get_config(arg: str | None = None):
     return c
   if row not in TABLE1_ROWS:
     raise ValueError(f"Unknown variant {row!r}; Table 1 rows are {TABLE1_ROWS} (and "
-                     "dapo_overlap).")
+                     "dapo_overlap, dapo_kv_int8).")
   upto = TABLE1_ROWS.index(row)
   # Start from naive GRPO and switch techniques on in the paper's order.
   c.algorithm.clip_ratio_high = 0.2

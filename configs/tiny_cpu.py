@@ -14,6 +14,9 @@ Table 1: `configs/tiny_cpu.py:naive_grpo`, `:no_dynamic_sampling`, `:no_token_me
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
         .venv/bin/dapo-train --config configs/tiny_cpu.py:overlap --workdir workdirs/overlap
 
+`:kv_int8` samples from an int8 KV cache (a scale per token and KV head) and corrects the
+sampler/trainer mismatch it adds with token-TIS (docs/kv_int8.md).
+
 `:multi_epoch` trains on 256 problems instead of 5000, so each comes back every ~3 steps (~50
 times in 160 steps), as DAPO-Math-17k's ~100 copies of each problem do; add
 `--config.algorithm.skip_filter=True` to skip prompts from their own history (docs/skip_filter.md):
@@ -92,6 +95,9 @@ def get_config(arg: str | None = None):
   elif variant == "overlap":  # one step off on its own device, token-TIS behaviour weights
     c.rollout_devices = 1
     c.algorithm.max_staleness = 1
+    c.algorithm.rollout_is = "token_truncated"
+  elif variant == "kv_int8":  # the rollout's KV cache in int8, token-TIS for the mismatch
+    c.rollout.kv_cache_dtype = "int8"
     c.algorithm.rollout_is = "token_truncated"
   elif variant == "multi_epoch":  # few problems, seen many times (the skip filter's setting)
     c.data.arithmetic.num_train = 256

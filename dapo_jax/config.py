@@ -21,11 +21,14 @@ from dapo_jax.spec import batch_rules
 from dapo_jax.infra.console_log import CONSOLE_MODES
 from dapo_jax.infra.logging_writers import WANDB_MODES
 from dapo_jax.models import lora
+from dapo_jax.models.kv_quant import QUANTIZED as _KV_QUANTIZED_DTYPES
 from dapo_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, Qwen2Config
 from dapo_jax.models.paged_attention import PAGED_IMPLS
 from dapo_jax.models.paged_kv import KV_CACHES
 from dapo_jax.trainer.objective import KL_PENALTY_KINDS, LOSS_AGG_MODES, ROLLOUT_IS_KINDS
 from dapo_jax.trainer.train_step import MICRO_BATCH_LOSSES, WARMUP_STYLES
+
+KV_QUANTIZED = tuple(_KV_QUANTIZED_DTYPES)  # rollout.kv_cache_dtype's 8-bit choices
 
 ROLLOUT_ENGINES = ("static", "continuous")
 STOP_TOKENS = ("checkpoint_and_chat", "checkpoint")
@@ -115,6 +118,12 @@ def default_config() -> ml_collections.ConfigDict:
   # Paged decode attention: "auto" (TPU: Pallas paged_attention, GPU: Pallas/Triton
   # paged_attention, CPU: "xla", the pure-JAX reference), or one of those by name.
   c.rollout.attention_impl = "auto"
+  # The decode KV caches' storage (dense and paged, every engine, dapo-eval, dapo-serve): ""
+  # (the model's dtype, today's cache), model.dtype by name, or 8-bit: "int8" or
+  # "float8_e4m3fn", a scale per token and KV head (models/kv_quant.py, docs/kv_int8.md). An
+  # 8-bit cache makes the sampler's log-probs differ from the trainer's: it needs
+  # algorithm.rollout_is on, unless algorithm.allow_uncorrected_kv_quantization says otherwise.
+  c.rollout.kv_cache_dtype = ""
   # Tokens that end a response: "checkpoint_and_chat" the checkpoint's EOS ids plus the chat-end
   # markers <|im_end|> and <|endoftext|> when the vocabulary has them (a base model under a chat
   # template ends with either); "checkpoint" the checkpoint's own (eos_token and
@@ -171,6 +180,8 @@ def default_config() -> ml_collections.ConfigDict:
   # correction, which must then be on, unless allow_uncorrected_staleness says otherwise.
   c.algorithm.max_staleness = 0
   c.algorithm.allow_uncorrected_staleness = False
+  # Train on tokens an 8-bit KV cache sampled without the behaviour correction (a stress run).
+  c.algorithm.allow_uncorrected_kv_quantization = False
   # Partial rollouts (max_staleness >= 1, the continuous engine, a streaming sampling loop):
   # samples in flight move on to each newer policy as it is handed over, keeping their KV, and
   # every token records its version. Fresher tokens; the run then depends on timing.
@@ -308,6 +319,20 @@ def _check_kv_cache(r: ml_collections.ConfigDict, bad) -> None:
     bad("rollout.kv_hbm_fraction", r.kv_hbm_fraction, "must be in (0, 1]")
 
 
+def _check_kv_cache_dtype(c: ml_collections.ConfigDict, bad) -> None:
+  """``rollout.kv_cache_dtype`` and the correction an 8-bit cache needs (docs/kv_int8.md)."""
+  kv, dtype = c.rollout.kv_cache_dtype, c.model.dtype
+  if kv not in ("", dtype, *KV_QUANTIZED):
+    bad("rollout.kv_cache_dtype", kv, f"choose '' (model.dtype, {dtype!r}), {dtype!r}, "
+        f"{' or '.join(map(repr, KV_QUANTIZED))}")
+  if (kv in KV_QUANTIZED and c.algorithm.rollout_is == "none"
+      and not c.algorithm.allow_uncorrected_kv_quantization):
+    bad("rollout.kv_cache_dtype", kv, "samples with log-probs that differ from the trainer's, "
+        "which needs a behaviour correction: set algorithm.rollout_is='token_truncated' (or "
+        "'sequence_mask'), or algorithm.allow_uncorrected_kv_quantization=True to train "
+        "uncorrected")
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
   """Raises ValueError naming the field for values that would fail later or silently.
 
@@ -366,6 +391,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("algorithm.gen_batch_size", c.algorithm.gen_batch_size,
         "without dynamic sampling one generation batch must hold optim.train_batch_size prompts")
   _check_kv_cache(c.rollout, bad)
+  _check_kv_cache_dtype(c, bad)
   ppc = c.rollout.prompts_per_call
   if ppc < 0 or (0 < ppc < c.algorithm.gen_batch_size and c.algorithm.gen_batch_size % ppc):
     bad("rollout.prompts_per_call", ppc,

@@ -103,6 +103,7 @@ def build_engine(fv):
                             max_new_tokens=fv.max_new_tokens)
   kv = run_setup.kv_cache_args(spec.rollout)
   del kv["kv_hbm_fraction"]  # the pool holds every slot at full length (QwenEngine, kv_pages)
+  model = run_setup.for_rollout(model, spec.rollout)  # its caches as rollout.kv_cache_dtype
   return QwenEngine(model, tokenizer, max_concurrent_decodes=fv.max_concurrent_decodes,
                     max_prefill_length=fv.max_prefill_length, sampling=sampling,
                     seed=fv.seed, mesh=mesh, tokenizer_path=tokenizer_path, **kv)

@@ -7,7 +7,8 @@ slot t): "xla" (two einsums, any backend), "cudnn" (cuDNN flash attention throug
 ``jax.nn.dot_product_attention``; NVIDIA GPUs, bf16/fp16), "splash" (the Pallas TPU splash kernel,
 ``jax.experimental.pallas.ops.tpu.splash_attention``) or "auto" (cudnn on GPU, splash on TPU where
 the shapes allow, else xla). A one-token step over the KV cache is bandwidth-bound and always takes
-the einsum path (``decode_attention``), whatever ``impl`` says.
+the einsum path (``decode_attention``), whatever ``impl`` says; over an 8-bit cache it applies the
+per-token scales to the scores and probabilities (models/kv_quant.py).
 
 Fully masked query rows (left-padding queries) give finite values that are never used.
 """
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dapo_jax.infra import sharding as shd
-from dapo_jax.models import segment_attention
+from dapo_jax.models import kv_quant, segment_attention
 from dapo_jax.models.config import ATTENTION_IMPLS as IMPLS
 from dapo_jax.infra.profiling import scoped
 
@@ -142,12 +143,30 @@ def decode_attention(q_NxHxE: jax.Array, k_NxKxExS: jax.Array, v_NxKxSxE: jax.Ar
   kh = k_NxKxExS.shape[1]
   dtype = q_NxHxE.dtype
   q_NxKxGxE = q_NxHxE.reshape(n, kh, h // kh, e)
+  if kv_quant.is_quantized(k_NxKxExS.dtype):
+    return _decode_attention_8bit(q_NxKxGxE, k_NxKxExS, v_NxKxSxE, valid_NxS).reshape(n, h, e)
   s_NxKxGxS = jnp.einsum("nkge,nkes->nkgs", q_NxKxGxE, k_NxKxExS.astype(dtype),
                          preferred_element_type=jnp.float32) * (e ** -0.5)
   s_NxKxGxS = jnp.where(valid_NxS[:, None, None], s_NxKxGxS, jnp.finfo(jnp.float32).min)
   p_NxKxGxS = jax.nn.softmax(s_NxKxGxS, axis=-1).astype(dtype)
   o_NxKxGxE = jnp.einsum("nkgs,nkse->nkge", p_NxKxGxS, v_NxKxSxE.astype(dtype))
   return o_NxKxGxE.reshape(n, h, e)
+
+
+def _decode_attention_8bit(q_NxKxGxE, k_NxKxE4xS, v_NxKxSxE4, valid_NxS):
+  """`decode_attention` over an 8-bit cache (models/kv_quant.py): the int8 / e4m3 values go
+  into the matmuls in the query dtype (exact: |q| <= 127 or an e4m3 value), each key's scale
+  multiplies its fp32 score and each value's scale its probability, so no dequantized copy of
+  the cache is formed."""
+  dtype, e = q_NxKxGxE.dtype, q_NxKxGxE.shape[-1]
+  k_vals, k_scale_NxKx1xS = kv_quant.split(k_NxKxE4xS, -2)
+  v_vals, v_scale_NxKxSx1 = kv_quant.split(v_NxKxSxE4, -1)
+  s_NxKxGxS = jnp.einsum("nkge,nkes->nkgs", q_NxKxGxE, k_vals.astype(dtype),
+                         preferred_element_type=jnp.float32) * (k_scale_NxKx1xS * e ** -0.5)
+  s_NxKxGxS = jnp.where(valid_NxS[:, None, None], s_NxKxGxS, jnp.finfo(jnp.float32).min)
+  p_NxKxGxS = jax.nn.softmax(s_NxKxGxS, axis=-1) * jnp.swapaxes(v_scale_NxKxSx1, -1, -2)
+  return jnp.einsum("nkgs,nkse->nkge", p_NxKxGxS.astype(dtype), v_vals.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
 
 
 def cudnn_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask: Mask):

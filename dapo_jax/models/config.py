@@ -15,6 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dapo_jax.models import kv_quant
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # model_type -> the architecture `to_hf` writes for it.
 _ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -51,6 +53,10 @@ class Qwen2Config:
   # compiles one layer instead of num_hidden_layers copies (compile time flat in depth). The
   # checkpoint layout differs (orbax paths), the HF export does not.
   scan_layers: bool = False
+  # The decode caches' storage (rollout.kv_cache_dtype): "" (the compute dtype), the compute
+  # dtype, or an 8-bit one, "int8" / "float8_e4m3fn", with a scale per token and KV head
+  # (models/kv_quant.py). Only the caches read it: full-sequence passes never quantize.
+  kv_cache_dtype: str = ""
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -67,6 +73,7 @@ class Qwen2Config:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{name}={getattr(self, name)!r}; use float32, bfloat16 or float16.")
+    kv_quant.resolve(self.kv_cache_dtype, self.dtype)  # raises on an unknown value
 
   @property
   def dim_per_head(self) -> int:
@@ -80,6 +87,11 @@ class Qwen2Config:
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def kv_dtype(self):
+    """The KV caches' storage dtype (`kv_quant.resolve`)."""
+    return kv_quant.resolve(self.kv_cache_dtype, self.dtype)
 
   @property
   def jnp_param_dtype(self):

@@ -9,6 +9,10 @@ S = 160).
 A scanned model (`Qwen2Config.scan_layers`) keeps each of k and v as ONE array with a leading
 layer axis ([L, N, K, E, S], [L, N, K, S, E]); the scanned decode step reads layer l's slice and
 writes its one new slot in place. `per_layer` runs the cache's methods on either layout.
+
+An 8-bit cache (int8 / float8_e4m3fn, `kv_quant`) holds E + 4 entries on the head-dim axis (the
+values, then each token's scale per KV head): writes go through `kv_quant.encode`, the decode
+attention reads the scales, and every copy here moves them with their token unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dapo_jax.infra import sharding as shd
+from dapo_jax.models import kv_quant
 from dapo_jax.infra.profiling import scoped
 
 Layers = tuple[jax.Array, ...] | jax.Array  # L per-layer arrays, or one stacked [L, ...] array
@@ -40,7 +45,7 @@ class KVCache:
   (prompt padding stays invalid), so rows may sit at different lengths (JetStream's decode
   slots) or all at one (the static sampler's batch).
   """
-  k: Layers  # L x [N, K, E, S], or [L, N, K, E, S] stacked
+  k: Layers  # L x [N, K, E, S], or [L, N, K, E, S] stacked (8-bit: E + 4, `kv_quant`)
   v: Layers  # L x [N, K, S, E], or [L, N, K, S, E] stacked
   valid: jax.Array  # [N, S] bool
   index: jax.Array  # [N] int32
@@ -56,6 +61,7 @@ class KVCache:
   @classmethod
   def zeros(cls, num_layers: int, rows: int, length: int, kv_heads: int, head_dim: int,
             dtype: Any, stacked: bool = False) -> KVCache:
+    head_dim = kv_quant.stored_dim(head_dim, dtype)
     k_shape, v_shape = (rows, kv_heads, head_dim, length), (rows, kv_heads, length, head_dim)
     if stacked:
       k, v = jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype)
@@ -71,8 +77,9 @@ class KVCache:
     """The keys and values of a full pass (prefill) over S tokens; every row ends at slot S.
     Per-layer lists give a per-layer cache, stacked [L, N, S, K, E] arrays a stacked one."""
     n, s = valid_NxS.shape
-    return cls(k=per_layer(lambda x: x.transpose(0, 2, 3, 1).astype(dtype), ks_NxSxKxE),
-               v=per_layer(lambda x: x.transpose(0, 2, 1, 3).astype(dtype), vs_NxSxKxE),
+    enc = lambda x: kv_quant.encode(x, dtype)
+    return cls(k=per_layer(lambda x: enc(x).transpose(0, 2, 3, 1), ks_NxSxKxE),
+               v=per_layer(lambda x: enc(x).transpose(0, 2, 1, 3), vs_NxSxKxE),
                valid=valid_NxS, index=jnp.full((n,), s, jnp.int32))
 
   def grow(self, extra_slots: int) -> KVCache:
@@ -93,8 +100,9 @@ class KVCache:
     """Copies `src`'s M rows (P <= S slots) into rows `rows_M`, slots [0, P); the rows' slots
     past P turn invalid. Out-of-range rows are dropped (batch padding)."""
     p = src.max_length
-    put_k = lambda dst, x: dst.at[rows_M, :, :, :p].set(x.astype(dst.dtype), mode="drop")
-    put_v = lambda dst, x: dst.at[rows_M, :, :p].set(x.astype(dst.dtype), mode="drop")
+    put_k = lambda dst, x: dst.at[rows_M, :, :, :p].set(kv_quant.encode(x, dst.dtype, -2),
+                                                        mode="drop")
+    put_v = lambda dst, x: dst.at[rows_M, :, :p].set(kv_quant.encode(x, dst.dtype), mode="drop")
     valid_MxS = jnp.zeros((rows_M.shape[0], self.max_length), bool).at[:, :p].set(src.valid)
     put = lambda dst, x: dst.at[rows_M].set(x, mode="drop")
     return KVCache(k=per_layer(put_k, self.k, src.k), v=per_layer(put_v, self.v, src.v),
@@ -111,18 +119,20 @@ class KVCache:
     """
     axis = 1 if self.stacked else 0
 
-    def put(dst: jax.Array, x: jax.Array) -> jax.Array:
-      row = jax.lax.dynamic_slice_in_dim(x, src_row, 1, axis).astype(dst.dtype)
+    def put(dst: jax.Array, x: jax.Array, head_axis: int) -> jax.Array:
+      row = kv_quant.encode(jax.lax.dynamic_slice_in_dim(x, src_row, 1, axis), dst.dtype,
+                            head_axis)
       start = [0] * dst.ndim
       start[axis] = dst_row
       return jax.lax.dynamic_update_slice(dst, row, tuple(start))
 
+    put_k, put_v = (lambda a, b: put(a, b, -2)), (lambda a, b: put(a, b, -1))
     each = (lambda f, a, b: f(a, b)) if self.stacked else (
         lambda f, a, b: tuple(map(f, a, b)))
     valid_1xS = jax.lax.dynamic_update_slice(
         jnp.zeros((1, self.max_length), bool),
         jax.lax.dynamic_slice_in_dim(src.valid, src_row, 1, 0), (0, 0))
-    return KVCache(k=each(put, self.k, src.k), v=each(put, self.v, src.v),
+    return KVCache(k=each(put_k, self.k, src.k), v=each(put_v, self.v, src.v),
                    valid=jax.lax.dynamic_update_slice(self.valid, valid_1xS, (dst_row, 0)),
                    index=self.index.at[dst_row].set(index))
 
@@ -138,7 +148,7 @@ def write_step(k_NxKxExS: jax.Array, v_NxKxSxE: jax.Array, kn_NxKxE: jax.Array,
   dynamic_update_slice clamps). With `layer`, k and v are a stacked cache's [L, ...] arrays and
   only that layer's slot is written.
   """
-  kn, vn = kn_NxKxE.astype(k_NxKxExS.dtype), vn_NxKxE.astype(v_NxKxSxE.dtype)
+  kn, vn = kv_quant.encode(kn_NxKxE, k_NxKxExS.dtype), kv_quant.encode(vn_NxKxE, v_NxKxSxE.dtype)
   lead = () if layer is None else (layer,)
   if jnp.ndim(slot) == 0:
     kn, vn = kn[..., None], vn[:, :, None]

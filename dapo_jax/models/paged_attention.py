@@ -38,6 +38,14 @@ Under an activation mesh (the engine's), the kernels run per device in a `shard_
 pools' shard axis and KV heads (`attend_shards`): a custom call is opaque to XLA's partitioner.
 
 Inactive slots (length 0) give finite values that are never read.
+
+8-bit pools (models/kv_quant.py: E + 4 entries per token and KV head, the scale last): "xla"
+reads the values and scales in place (scales on the fp32 scores and on the probabilities).
+The JAX kernels take scales in arrays of their own ("pallas_tpu": `QuantizedTensor` scales
+broadcast over E; "pallas_gpu": [K, P, T]; "ragged_tpu": one scalar per pool), so for them the
+pool is split (values, scales) or dequantized ("ragged_tpu") before the call: correct, but a
+copy of the layer's pool per call, not yet the halved read (docs/kv_int8.md); so "auto" runs
+"xla" over an 8-bit pool (`resolve_paged_impl`), and a kernel is used only when named.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dapo_jax.infra import sharding as shd
-from dapo_jax.models import attention
+from dapo_jax.models import attention, kv_quant
 from dapo_jax.infra.profiling import scoped
 
 PAGED_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "ragged_tpu")
@@ -70,11 +78,14 @@ def _divisor_at_most(m: int, cap: int) -> int:
   return max(d for d in range(1, min(m, cap) + 1) if m % d == 0)
 
 
-def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None
-                       ) -> str:
+def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | None = None,
+                       dtype=None) -> str:
   """The kernel ``impl`` means on ``platform`` (default: the one being compiled for) for heads
-  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit). A TPU kernel named for
-  a head_dim it cannot tile is an error when compiling for a TPU."""
+  of ``head_dim`` (None: not known here, the TPU kernels assumed to fit) over a pool of
+  ``dtype`` (None: not known). A TPU kernel named for a head_dim it cannot tile is an error
+  when compiling for a TPU. "auto" over an 8-bit pool is "xla", which reads its pages and
+  scales in place: the kernels would have the layer's pool split or dequantized for every call
+  (module docstring; a compiled TPU chunk's temporaries came to 4-5x the int8 pool)."""
   if impl not in PAGED_IMPLS:
     raise ValueError(f"paged attention impl={impl!r}; choose one of {PAGED_IMPLS}.")
   platform = platform or attention._backend()  # pylint: disable=protected-access
@@ -85,14 +96,17 @@ def resolve_paged_impl(impl: str, platform: str | None = None, head_dim: int | N
                      "'auto' (the XLA paged path there) or 'xla'.")
   if impl != "auto":
     return impl
+  if dtype is not None and kv_quant.is_quantized(dtype):
+    return "xla"
   if platform == "tpu" and not lanes_ok:
     return "xla"
   return {"tpu": "ragged_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
-def uses_combined_pool(impl: str, platform: str | None = None) -> bool:
-  """Whether the pool for `impl` is kept in the combined [P, T, 2K, E] layout."""
-  return resolve_paged_impl(impl, platform) == "ragged_tpu"
+def uses_combined_pool(impl: str, platform: str | None = None, dtype=None) -> bool:
+  """Whether the pool for `impl` (over a pool of `dtype`) is kept in the combined [P, T, 2K, E]
+  layout."""
+  return resolve_paged_impl(impl, platform, dtype=dtype) == "ragged_tpu"
 
 
 def block_pages(page_size: int, platform: str | None = None) -> int:
@@ -126,6 +140,7 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
   big = min(pages_per_block or block_pages(t), n * m)  # more than every slot's pages: padding
   small = max(1, big // 8)
   dtype = q_NxHxE.dtype
+  quantized = kv_quant.is_quantized(k_KxPxTxE.dtype)
   low = jnp.finfo(jnp.float32).min
   q_NxKxGxE = q_NxHxE.reshape(n, kh, g, e)
   pages_N = jnp.clip(-(-length_N // t), 0, m).astype(jnp.int32)
@@ -144,17 +159,22 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
     # Gathered along the pool's own page axis, then the small block transposed: moving the
     # pool's page axis first makes XLA CPU copy the whole pool per block once the pool is a
     # loop carry (the engine's; see the memory test in tests/test_paged_kv.py).
+    cast = (lambda x: x) if quantized else (lambda x: x.astype(dtype))
     if combined:  # [B, T, 2K, E] gathered, K and V split out of the small block
-      kv_BxTx2KxE = k_KxPxTxE.at[page_B].get(mode="promise_in_bounds").astype(dtype)
+      kv_BxTx2KxE = cast(k_KxPxTxE.at[page_B].get(mode="promise_in_bounds"))
       k_BxKxTxE = kv_BxTx2KxE[:, :, 0::2].transpose(0, 2, 1, 3)
       v_BxKxTxE = kv_BxTx2KxE[:, :, 1::2].transpose(0, 2, 1, 3)
     else:
-      k_BxKxTxE = jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
-                               ).astype(dtype)
-      v_BxKxTxE = jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1
-                               ).astype(dtype)
+      k_BxKxTxE = cast(jnp.moveaxis(k_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1))
+      v_BxKxTxE = cast(jnp.moveaxis(v_KxPxTxE.at[:, page_B].get(mode="promise_in_bounds"), 0, 1))
+    if quantized:  # values into the matmuls, scales on the scores and the probabilities
+      (k_BxKxTxE, k_scale_BxKxTx1), (v_BxKxTxE, v_scale_BxKxTx1) = (
+          kv_quant.split(k_BxKxTxE), kv_quant.split(v_BxKxTxE))
+      k_BxKxTxE, v_BxKxTxE = k_BxKxTxE.astype(dtype), v_BxKxTxE.astype(dtype)
     s_BxKxGxT = jnp.einsum("bkge,bkte->bkgt", get(q_NxKxGxE, slot_B), k_BxKxTxE,
                            preferred_element_type=jnp.float32) * (e ** -0.5)
+    if quantized:
+      s_BxKxGxT = s_BxKxGxT * jnp.swapaxes(k_scale_BxKxTx1, -1, -2)
     # Tokens past the slot's length masked; entries past the list need no mask (dropped below).
     live_BxT = col_B[:, None] * t + jnp.arange(t)[None] < get(length_N, slot_B)[:, None]
     s_BxKxGxT = jnp.where(live_BxT[:, None, None], s_BxKxGxT, low)
@@ -162,7 +182,8 @@ def reference_paged_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTx
     m_new = m_NxKxG.at[to_B].max(s_BxKxGxT.max(-1), mode="drop")
     alpha = jnp.exp(m_NxKxG - m_new)
     p_BxKxGxT = jnp.exp(s_BxKxGxT - get(m_new, slot_B)[..., None])
-    pv = jnp.einsum("bkgt,bkte->bkge", p_BxKxGxT.astype(dtype), v_BxKxTxE,
+    pv_p = p_BxKxGxT * jnp.swapaxes(v_scale_BxKxTx1, -1, -2) if quantized else p_BxKxGxT
+    pv = jnp.einsum("bkgt,bkte->bkge", pv_p.astype(dtype), v_BxKxTxE,
                     preferred_element_type=jnp.float32)
     return (m_new, (alpha * l_NxKxG).at[to_B].add(p_BxKxGxT.sum(-1), mode="drop"),
             (alpha[..., None] * acc_NxKxGxE).at[to_B].add(pv, mode="drop"))
@@ -196,10 +217,17 @@ def tpu_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N, *,
   from jax.experimental.pallas import tpu as pltpu
   from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
   interpret = attention._INTERPRET.get() if interpret is None else interpret  # pylint: disable=protected-access
+  from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils as tpu_quant
   q, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
   t = k_KxPxTxE.shape[2]
   ppcb = _divisor_at_most(table.shape[1], max(1, BLOCK_TOKENS // t))
-  run = lambda: tpu_pa.paged_attention(q, k_KxPxTxE, v_KxPxTxE, length, table,
+  k_pages, v_pages = k_KxPxTxE, v_KxPxTxE
+  if kv_quant.is_quantized(k_KxPxTxE.dtype):
+    # The kernel's QuantizedTensor: values and absmax-style scales [K, P, T, 1] (it dequantizes
+    # as x * h / 127.5, so h = scale * 127.5), broadcast by the kernel over E.
+    as_kernel = lambda vals, scale: tpu_quant.QuantizedTensor(vals, scale * tpu_quant.MAX_INT8)
+    k_pages, v_pages = as_kernel(*kv_quant.split(k_KxPxTxE)), as_kernel(*kv_quant.split(v_KxPxTxE))
+  run = lambda: tpu_pa.paged_attention(q, k_pages, v_pages, length, table,
                                        pages_per_compute_block=ppcb)
   if interpret:
     with pltpu.force_tpu_interpret_mode():
@@ -218,9 +246,14 @@ def gpu_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N, *,
   m, t = table.shape[1], k_KxPxTxE.shape[2]
   k_splits = _divisor_at_most(m, 16)
   ppcb = _divisor_at_most(m // k_splits, max(1, BLOCK_TOKENS // t))
+  scales = {}
+  if kv_quant.is_quantized(k_KxPxTxE.dtype):  # the kernel's scales: [K, P, T] per token
+    (k_KxPxTxE, k_scale), (v_KxPxTxE, v_scale) = (kv_quant.split(k_KxPxTxE),
+                                                  kv_quant.split(v_KxPxTxE))
+    scales = dict(k_scales_pages=k_scale[..., 0], v_scales_pages=v_scale[..., 0])
   return gpu_pa.paged_attention(q, k_KxPxTxE, v_KxPxTxE, table, length,
                                 k_splits=k_splits, pages_per_compute_block=ppcb,
-                                interpret=interpret)
+                                interpret=interpret, **scales)
 
 
 def gpu_stacked_paged_attention(q_NxHxE, k_LxKxPxTxE, v_LxKxPxTxE, table_NxM, length_N,
@@ -236,7 +269,7 @@ def gpu_stacked_paged_attention(q_NxHxE, k_LxKxPxTxE, v_LxKxPxTxE, table_NxM, le
   n, h, e = q_NxHxE.shape
   num_layers, kh, p, t, _ = k_LxKxPxTxE.shape
   m = table_NxM.shape[1]
-  flat = lambda pool: pool.reshape(1, num_layers * kh * p, t, e)
+  flat = lambda pool: pool.reshape(1, num_layers * kh * p, t, pool.shape[-1])  # 8-bit: E + 4
   offset_K = (layer * kh + jnp.arange(kh, dtype=jnp.int32)) * p
   table_RxM = (jnp.maximum(table_NxM, 0)[:, None, :] + offset_K[None, :, None]).reshape(n * kh, m)
   out = gpu_paged_attention(q_NxHxE.reshape(n * kh, h // kh, e), flat(k_LxKxPxTxE),
@@ -283,6 +316,8 @@ def ragged_tpu_attention(q_NxHxE: jax.Array, kv_PxTx2KxE: jax.Array, table_NxM: 
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
   n, _, e = q_NxHxE.shape
   _, table, length = _kernel_args(q_NxHxE, table_NxM, length_N)
+  # An 8-bit pool dequantized for the kernel, which takes one scale per pool (a copy).
+  kv_PxTx2KxE = kv_quant.decode(kv_PxTx2KxE, q_NxHxE.dtype)
   cu_q_lens = jnp.arange(n + 1, dtype=jnp.int32)  # one query token per slot
   if tuned_block_sizes.get_tpu_version() >= 4:  # on a TPU: its tuned table
     pages, queries = None, None
@@ -301,7 +336,7 @@ def paged_decode_attention(q_NxHxE: jax.Array, k_KxPxTxE: jax.Array, v_KxPxTxE: 
   ``v_KxPxTxE`` None: ``k_KxPxTxE`` is a combined [P, T, 2K, E] pool ("ragged_tpu", "xla").
   ``layer``: k and v are stacked split [L, K, P, T, E] pools and this layer is read ("pallas_gpu"
   in place, `gpu_stacked_paged_attention`; the others from the layer's slice)."""
-  impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1])
+  impl = resolve_paged_impl(impl, head_dim=q_NxHxE.shape[-1], dtype=k_KxPxTxE.dtype)
   if layer is not None:
     if impl == "pallas_gpu":
       return gpu_stacked_paged_attention(q_NxHxE, k_KxPxTxE, v_KxPxTxE, table_NxM, length_N,
@@ -329,7 +364,7 @@ def attend_shards(q_SxNxHxE: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
   active activation mesh in a `shard_map`: shards over the batch axes, KV heads (and their
   query heads) over `tensor` when both divide; a stacked pool goes in whole, so that each
   device reads its own [L, K/tensor, P, T, E] in place."""
-  impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1])
+  impl = resolve_paged_impl(impl, head_dim=q_SxNxHxE.shape[-1], dtype=k_pool.dtype)
   stacked = layer is not None
   attend = lambda q, k, v, table, length: paged_decode_attention(q, k, v, table, length,
                                                                  impl=impl, layer=layer)

@@ -21,6 +21,10 @@ Everything here is a pure function of fixed shapes, for use inside the engine's 
   page when it crosses a page boundary, a private copy of a shared page (copy-on-write of the
   last partial prompt page) when it first writes into one. A slot that cannot get a page is
   flagged in `ok_N == False` and writes nothing: never silent.
+
+An 8-bit pool (int8 / float8_e4m3fn, `kv_quant`) has E + 4 entries per token and KV head, its
+scale last: every write quantizes (`kv_quant.encode`), every page copy moves the scales with
+the values, and the attention (`paged_attention`) reads them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dapo_jax.models import kv_quant
 from dapo_jax.models.kv_cache import Layers, per_layer
 
 
@@ -50,6 +55,18 @@ def resolve_kv_cache(kv_cache: str, cache_length: int, platform: str | None = No
     return kv_cache
   platform = platform or jax.devices()[0].platform
   return "paged" if platform != "cpu" or cache_length >= PAGED_MIN_CACHE_LENGTH_CPU else "dense"
+
+
+def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: Any
+               ) -> int:
+  """Bytes of one page of the pool, K and V of every layer (an 8-bit pool's scales included:
+  `kv_quant.bytes_per_token_head`)."""
+  return 2 * num_layers * kv_heads * page_size * kv_quant.bytes_per_token_head(head_dim, dtype)
+
+
+def pages_in_budget(budget_bytes: float, page_bytes_per_device: int) -> int:
+  """Pages a KV budget holds (what the engine sizes its pool by)."""
+  return int(budget_bytes) // max(1, page_bytes_per_device)
 
 
 def pages_for(length: jax.Array | int, page_size: int) -> jax.Array | int:
@@ -125,6 +142,7 @@ class PagedKVCache:
     `combined`: K and V in one array (see `combined`)."""
     lead = () if shards is None else (shards,)
     slots = num_slots if shards is None else num_slots // shards
+    head_dim = kv_quant.stored_dim(head_dim, dtype)
     shape = ((num_pages, page_size, 2 * kv_heads, head_dim) if combined
              else (kv_heads, num_pages, page_size, head_dim))
     # Stacked: the shard axis before the layers', so that every per-shard function (`on_shards`,
@@ -269,9 +287,9 @@ def write_token(k_KxPxTxE: jax.Array, v_KxPxTxE: jax.Array, kn_NxKxE: jax.Array,
   `v_KxPxTxE` None: k is a combined pool ([L,] P, T, 2K, E), both written into it."""
   if v_KxPxTxE is None:
     at = (app.page, app.offset) if layer is None else (layer, app.page, app.offset)
-    kv_Nx2KxE = interleave_kv(kn_NxKxE, vn_NxKxE).astype(k_KxPxTxE.dtype)
+    kv_Nx2KxE = kv_quant.encode(interleave_kv(kn_NxKxE, vn_NxKxE), k_KxPxTxE.dtype)
     return k_KxPxTxE.at[at].set(kv_Nx2KxE, mode="drop"), None
-  kn, vn = kn_NxKxE.astype(k_KxPxTxE.dtype), vn_NxKxE.astype(v_KxPxTxE.dtype)
+  kn, vn = kv_quant.encode(kn_NxKxE, k_KxPxTxE.dtype), kv_quant.encode(vn_NxKxE, v_KxPxTxE.dtype)
   if layer is None:  # indices on the adjacent P, T axes: the update is [K, N, E]
     idx, kn, vn = (slice(None), app.page, app.offset), kn.transpose(1, 0, 2), vn.transpose(1, 0, 2)
   else:  # layer, K slice, P, T: indices split by a slice put N first: [N, K, E]
@@ -314,11 +332,11 @@ def write_prompts(cache: PagedKVCache, pages_XxM: jax.Array, k_XxKxExS: Layers,
   off_XxS = jnp.broadcast_to(pos_S % t, page_XxS.shape)
 
   def put(pool: jax.Array, x_KxXxSxE: jax.Array) -> jax.Array:  # one layer
-    return pool.at[:, page_XxS, off_XxS].set(x_KxXxSxE.astype(pool.dtype), mode="drop")
+    return pool.at[:, page_XxS, off_XxS].set(kv_quant.encode(x_KxXxSxE, pool.dtype), mode="drop")
 
   if cache.combined:  # [P, T, 2K, E] pools: K and V of each token interleaved
-    put_kv = lambda pool, k, v: pool.at[page_XxS, off_XxS].set(interleave_kv(
-        k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)).astype(pool.dtype), mode="drop")
+    put_kv = lambda pool, k, v: pool.at[page_XxS, off_XxS].set(kv_quant.encode(interleave_kv(
+        k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)), pool.dtype), mode="drop")
     return cache.replace(k=per_layer(put_kv, cache.k, k_XxKxExS, v_XxKxSxE))
   return cache.replace(
       k=per_layer(lambda pool, x: put(pool, x.transpose(1, 0, 3, 2)), cache.k, k_XxKxExS),

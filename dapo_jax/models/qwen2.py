@@ -194,7 +194,7 @@ class Attention(nnx.Module):
       k_l, v_l = k_pool.reshape(lead + (-1,) + k_pool.shape[-3:]), None
       table = jnp.maximum(table, 0) + layer * num_pages
     elif layer is not None and paged_attention.resolve_paged_impl(
-        impl, head_dim=q_Nx1xHxE.shape[-1]) == "pallas_gpu":
+        impl, head_dim=q_Nx1xHxE.shape[-1], dtype=k_pool.dtype) == "pallas_gpu":
       # The stacked split pool goes to the kernel whole, read in place at the layer's pages
       # (`paged_attention.gpu_stacked_paged_attention`): a layer's slice would be copied.
       k_l, v_l, kernel_layer = k_pool, v_pool, layer
@@ -339,10 +339,11 @@ class Qwen2ForCausalLM(nnx.Module):
     return jnp.einsum("btd,dv->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
 
   def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
-    """An empty cache (every slot invalid), e.g. JetStream's decode slots."""
+    """An empty cache (every slot invalid), e.g. JetStream's decode slots; stored as
+    `config.kv_cache_dtype` says (8-bit: models/kv_quant.py) unless `dtype` is given."""
     cfg = self.config
     return KVCache.zeros(cfg.num_hidden_layers, batch_size, max_length, cfg.num_key_value_heads,
-                         cfg.dim_per_head, dtype or cfg.jnp_dtype, stacked=cfg.scan_layers)
+                         cfg.dim_per_head, dtype or cfg.kv_dtype, stacked=cfg.scan_layers)
 
   def _scan_layers(self, body, carry, xs=None, policy=None):
     """``body(layer, carry, x) -> (carry, y)`` over the stacked layer (`config.scan_layers`)
@@ -388,7 +389,7 @@ class Qwen2ForCausalLM(nnx.Module):
         return layer(x, positions_BxT, mask, with_kv=with_cache)
       if with_cache:  # a prefill: no backward pass, so no remat
         x, (ks, vs) = self._scan_layers(body, x)
-        return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.jnp_dtype)
+        return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.kv_dtype)
       x, _ = self._scan_layers(body, x, policy=REMAT_POLICIES[cfg.remat])
       return self.norm(x), None
     if with_cache:  # a prefill: no backward pass, so no remat
@@ -397,7 +398,7 @@ class Qwen2ForCausalLM(nnx.Module):
         x, (k_BxTxKxE, v_BxTxKxE) = layer(x, positions_BxT, mask, with_kv=True)
         ks.append(k_BxTxKxE)
         vs.append(v_BxTxKxE)
-      return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.jnp_dtype)
+      return self.norm(x), KVCache.from_pass(ks, vs, attention_mask_BxT, cfg.kv_dtype)
     for layer in self.layers:
       if cfg.remat == "none":
         x = _layer_apply(layer, x, positions_BxT, mask)
@@ -504,7 +505,7 @@ class Qwen2ForCausalLM(nnx.Module):
                               num_pages=num_pages, page_size=page_size,
                               max_pages_per_slot=max_pages_per_slot,
                               kv_heads=cfg.num_key_value_heads, head_dim=cfg.dim_per_head,
-                              dtype=dtype or cfg.jnp_dtype, stacked=cfg.scan_layers,
+                              dtype=dtype or cfg.kv_dtype, stacked=cfg.scan_layers,
                               shards=shards, combined=combined)
 
   def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,

@@ -76,9 +76,17 @@ def mix_stats(pmf: np.ndarray, prompt: int, page_size: int, group: int) -> MixSt
 
 
 def kv_bytes_per_token(mcfg: Qwen2Config, tensor: int) -> int:
-  """One token's K and V over all layers, on one chip (KV heads over ``tensor``)."""
+  """One token's K and V over all layers, on one chip (KV heads over ``tensor``), as the cache
+  stores them (``mcfg.kv_cache_dtype``: 8-bit values plus a 4-byte scale per KV head)."""
+  from dapo_jax.models import kv_quant  # pylint: disable=g-import-not-at-top
   heads = est._split(mcfg.num_key_value_heads, tensor)  # pylint: disable=protected-access
-  return mcfg.num_hidden_layers * 2 * heads * mcfg.dim_per_head * np.dtype(mcfg.dtype).itemsize
+  return (mcfg.num_hidden_layers * 2 * heads
+          * kv_quant.bytes_per_token_head(mcfg.dim_per_head, mcfg.kv_dtype))
+
+
+def with_kv_cache_dtype(spec: RunSpec, mcfg: Qwen2Config) -> Qwen2Config:
+  """``mcfg`` with the run's ``rollout.kv_cache_dtype`` (the caches the engine would build)."""
+  return mcfg.replace(kv_cache_dtype=spec.rollout.kv_cache_dtype)
 
 
 def decode_step(mcfg: Qwen2Config, tensor: int, slots: float, busy: float, context: float
@@ -129,6 +137,7 @@ def engine_spec(spec: RunSpec, mcfg: Qwen2Config, platform: str, tensor: int, sh
   from dapo_jax.rollout import slot_programs as prog
   # pylint: enable=g-import-not-at-top
   r = spec.rollout
+  mcfg = with_kv_cache_dtype(spec, mcfg)
   p, t = spec.data.max_prompt_length, r.page_size
   if paged_kv.resolve_kv_cache(r.kv_cache, spec.sizes.max_length, platform) != "paged":
     return None
@@ -153,6 +162,7 @@ def estimate(spec: RunSpec, mcfg: Qwen2Config, chip: est.Chip, num_devices: int,
   The paged engine is estimated at the configured slots and at the slots that fit; both use the
   dense estimate's ``SLOT_UTILIZATION``.
   """
+  mcfg = with_kv_cache_dtype(spec, mcfg)
   mesh = est.mesh_sizes(spec.rollout_mesh or spec.mesh, num_devices)
   tensor = mesh.get("tensor", 1)
   shards = math.prod(mesh.get(a, 1) for a in est.BATCH_AXES)

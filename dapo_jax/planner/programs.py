@@ -375,7 +375,8 @@ def _continuous_programs(spec: RunSpec, mcfg: Qwen2Config, mesh: Mesh, sp: Sampl
     engine_programs,  # pylint: disable=g-import-not-at-top
   )
   from dapo_jax.rollout import slot_programs as prog  # pylint: disable=g-import-not-at-top
-  graphdef, state = nnx.split(abstract_model(mcfg))
+  graphdef, state = nnx.split(abstract_model(  # its caches as rollout.kv_cache_dtype
+      mcfg.replace(kv_cache_dtype=spec.rollout.kv_cache_dtype)))
   state_sh = shd.state_shardings(state, mesh, shd.SAMPLE_RULES)
   state = _abstract(state, state_sh)
   p, r, g = spec.data.max_prompt_length, spec.rollout.max_response_length, spec.rollout.n

@@ -448,10 +448,11 @@ class ContinuousSampler:
       return 1 << 40
     cfg = nnx.merge(self.graphdef, state).config
     split = self.mesh.shape.get("tensor", 1) if self.mesh is not None else 1
-    page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.dim_per_head
-                  * page_size * jnp.dtype(cfg.jnp_dtype).itemsize) // max(1, split)
+    # The pool's own storage (rollout.kv_cache_dtype): an 8-bit page is about half a bf16 one.
+    page_bytes = paged_kv.page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                     cfg.dim_per_head, page_size, cfg.kv_dtype) // max(1, split)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return int(self.kv_hbm_fraction * free) // max(1, page_bytes)
+    return paged_kv.pages_in_budget(self.kv_hbm_fraction * free, page_bytes)
 
   def queue_prompts(self, num_samples: int) -> int:
     """Device queue entries for a stream of `num_samples` per prompt."""

@@ -153,7 +153,8 @@ def init_program(state, *, graphdef, num_slots: int, queue_size: int, num_sample
       # A pool per data shard ([S, ...] over the batch axes), KV heads split over `tensor`.
       pool = model.init_paged_cache(num_slots, paged.num_pages, paged.page_size,
                                     paged.max_pages(cache_length), shards=paged.shards,
-                                    combined=paged_attention.uses_combined_pool(paged.impl))
+                                    combined=paged_attention.uses_combined_pool(
+                                        paged.impl, dtype=model.config.kv_dtype))
       pool = pool.map_pools(lambda x: shd.constrain(x, pool.pool_axes))
       pool = pool.replace(refcount=_slot_rows(pool.refcount), table=_slot_rows(pool.table),
                           length=_slot_rows(pool.length))

@@ -94,6 +94,7 @@ class RolloutSpec:
   kv_pages: int
   kv_hbm_fraction: float
   attention_impl: str
+  kv_cache_dtype: str
   stop_tokens: str
   use_sampler_logprobs: bool
   prompts_per_call: int
@@ -131,6 +132,7 @@ class AlgorithmSpec:
   rollout_is_band: tuple[float, ...]
   max_staleness: int
   allow_uncorrected_staleness: bool
+  allow_uncorrected_kv_quantization: bool
   partial_rollouts: bool
   skip_filter: bool
   skip_target: float

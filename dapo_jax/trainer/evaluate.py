@@ -111,7 +111,7 @@ def evaluate_policy(spec: RunSpec, policy: policy_lib.Policy,
   verifies its share of the answers (``generation.score_spread``)."""
   from dapo_jax.rewards.batch import RewardScorer  # pylint: disable=g-import-not-at-top
   from dapo_jax.rollout.sampler import Sampler  # pylint: disable=g-import-not-at-top
-  graphdef, state = nnx.split(policy.model)
+  graphdef, state = nnx.split(run_setup.for_rollout(policy.model, spec.rollout))
   sampler = Sampler(graphdef, mesh=policy.mesh, rules=shd.SAMPLE_RULES)
   rollout = distributed.global_rollout(sampler.generate, policy.mesh)
   r = spec.reward

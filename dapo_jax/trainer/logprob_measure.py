@@ -47,7 +47,7 @@ def sample_and_recompute(spec: RunSpec, params: nnx.State, records: Sequence[Mat
   rollout_mesh = run_setup.build_rollout_mesh(spec.rollout_mesh, spec.dcn_mesh, mesh)
   tokenizer = run_setup.build_tokenizer(spec.tokenizer, spec.model.checkpoint)
   model = abstract_model(run_setup.model_config(spec.model, spec.tokenizer.kind, tokenizer))
-  sampler_graphdef = nnx.split(model)[0]
+  sampler_graphdef = nnx.split(run_setup.for_rollout(model, spec.rollout))[0]
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), rest)  # (none in Qwen2)
   r = spec.rollout

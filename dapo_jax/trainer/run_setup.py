@@ -158,6 +158,14 @@ def stop_ids(stop_tokens: str, tokenizer) -> tuple[int, ...]:
   return tuple(tokenizer.eos_ids)
 
 
+def for_rollout(model: Any, r: RolloutSpec) -> Any:
+  """``model`` (changed in place) with its decode caches stored as ``r.kv_cache_dtype`` says
+  (``rollout.kv_cache_dtype``; the config is static, so every engine split from it, and nothing
+  else, builds its caches so: full-sequence passes never read it)."""
+  model.config = model.config.replace(kv_cache_dtype=r.kv_cache_dtype)
+  return model
+
+
 def kv_cache_args(r: RolloutSpec) -> dict[str, Any]:
   """The continuous engine's KV-cache arguments in ``r`` (the run's ``rollout``)."""
   return dict(kv_cache=r.kv_cache, page_size=r.page_size, kv_pages=r.kv_pages,
@@ -280,7 +288,8 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   eval_records = (load_dataset(spec.data.eval, spec.data, spec.seed, "eval") if spec.data.eval
                   else [])
   check_prompt_lengths(train_records, tokenizer, spec.data.max_prompt_length, spec.data.truncate)
-  sampler_graphdef, _ = nnx.split(model)  # a LoRA run samples the merged weights: no adapters
+  # A LoRA run samples the merged weights: no adapters. The KV caches as rollout.kv_cache_dtype.
+  sampler_graphdef, _ = nnx.split(for_rollout(model, spec.rollout))
   # On several processes: host prompts in, the same host RolloutBatch out on every process.
   rollout_mesh = build_rollout_mesh(spec.rollout_mesh or spec.mesh if rollout_devices else
                                     spec.rollout_mesh, spec.dcn_mesh, mesh, rollout_devices)
