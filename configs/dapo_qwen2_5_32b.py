@@ -14,7 +14,8 @@ Variants reproduce the rows of the paper's Table 1 (AIME24 avg@32, each row adds
 (algorithm.max_staleness=1, token-TIS behaviour weights; docs/overlap.md), laid out for a
 v5p-64 (32 chips): 16 roll out, 16 train. `dapo-plan` prices it in its overlap block; on its
 closed form a 16/16 split of a v5p-64 is slower than the serial step (1.59 h vs 1.08 h with
-the trainer packed, 2.90 h vs 2.15 h padded; docs/overlap.md), as both phases scale with their chips: it pays where a phase does not
+the trainer packed, 2.90 h vs 2.15 h padded; docs/overlap.md), as both phases scale with their
+chips: it pays where a phase does not
 (long-tail decoding, host and reward time), which only a measured run shows.
 
 :dapo_kv_int8 is :dapo with the rollout's KV cache in int8 (a scale per token and KV head:
