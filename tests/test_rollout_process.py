@@ -2,6 +2,7 @@
 channels (infra/peer_link.py), and what crosses them. The two-process run itself:
 tests/test_overlap.py."""
 
+import json
 import multiprocessing
 import os
 import pickle
@@ -461,3 +462,27 @@ def test_a_pull_of_weights_that_never_come_ends(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got["w"]), np.ones(3))
   finally:
     train.close(), rollout.close()
+
+
+def test_a_rollout_process_reads_no_weights(tmp_path):
+  """Issue 50 (11): the rollout process learned the sampler's structure by loading the whole
+  model (at 32B, a second full read of the checkpoint per host). Its weights come from the
+  training process, so a checkpoint directory holding only config.json is all it reads."""
+  from tests.hf_fixtures import TINY_HF  # pylint: disable=g-import-not-at-top
+  from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "ckpt"  # no model.safetensors: a read of any weight fails
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text(json.dumps(
+      {**TINY_HF, "architectures": ["Qwen2ForCausalLM"]}))
+  cfg = _small_config()
+  cfg.model.checkpoint = str(ckpt)
+  spec = RunSpec.from_config(cfg, num_devices=jax.device_count())
+  run, state = run_setup.build_run(spec, str(tmp_path / "work"), role="rollout")
+  with run:
+    assert state is None and run.checkpointer is None
+    assert run.to_rollout.dtype == jnp.float32  # the weights it receives, cast to the model's
+  from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
+  with pytest.raises(hf.CheckpointError, match="No model.safetensors"):  # the trainer reads them
+    run_setup.build_run(spec, str(tmp_path / "work"), role="train")
