@@ -5,7 +5,6 @@ tests/test_overlap.py."""
 import json
 import multiprocessing
 import os
-import pickle
 import signal
 import threading
 import time
@@ -167,14 +166,69 @@ def test_only_a_process_with_this_launchs_key_connects(tmp_path, monkeypatch):
   assert isinstance(listened[0], PeerError)  # the stale key never became a link
 
 
-def test_a_stopped_batch_crosses_with_what_it_gathered():
-  """Dynamic sampling that stops on the rollout process reaches the trainer whole: its
-  message, groups, stats and the rollout's resume state (checkpointed by the trainer)."""
-  err = MaxGenBatchesExceededError("stopped", groups=[1, 2], stats=SamplingStats())
-  err.resume_state = {"iterator": {"epoch": 1}, "sampler": {"carried": [1, 2]}}
-  back = pickle.loads(pickle.dumps(err))
+def _scored_groups(n):
+  """Scored groups as a partial-rollout batch leaves the rollout: stamped with the policy that
+  sampled them, tokens of two versions."""
+  from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import trajectories as traj_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  out = []
+  for i, rec in enumerate(arithmetic.make_records(n)):
+    g = traj_lib.ScoredGroup(
+        prompt=rec, acc=np.array([True, False]), reward=np.array([1.0, -1.1]),
+        prompt_ids=rng.integers(0, 50, (2, 3)).astype(np.int32),
+        prompt_mask=np.ones((2, 3), bool), response_ids=rng.integers(0, 50, (2, 4)).astype(
+            np.int32), response_mask=np.array([[1, 1, 0, 0], [1, 1, 1, 1]], bool),
+        logprobs=rng.normal(size=(2, 4)).astype(np.float32), lengths=np.array([2, 4], np.int32),
+        truncated=np.array([False, True]), texts=[f"a{i}", f"b{i}"],
+        score=np.array([1.0, -1.0], np.float32), penalty=np.array([0.0, -0.1], np.float32),
+        num_errors=i, sampled_at_step=3, policy_version=2,
+        token_versions=np.array([[2, 3, -1, -1], [2, 2, 3, 3]], np.int32))
+    out.append(g)
+  return out
+
+
+def _same_group(a, b):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  for f in dataclasses.fields(a):
+    x, y = getattr(a, f.name), getattr(b, f.name)
+    if isinstance(x, np.ndarray):
+      assert x.dtype == y.dtype, f.name
+      np.testing.assert_array_equal(x, y, err_msg=f.name)
+    else:
+      assert x == y, f.name
+
+
+def test_a_stopped_batch_crosses_with_what_it_gathered(tmp_path):
+  """Dynamic sampling that stops on the rollout process reaches the trainer whole, through the
+  link: its message, the scored groups gathered (arrays, stamps, token versions), its stats and
+  the rollout's resume state with those groups carried (what the trainer checkpoints, and a
+  relaunch trains first)."""
+  from dapo_jax.trainer import trajectories as traj_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.dynamic_sampling import DynamicSampler  # pylint: disable=g-import-not-at-top
+  groups = _scored_groups(3)
+  stats = SamplingStats(num_gen_batches=4, num_groups_generated=12, num_all_wrong=9)
+  err = MaxGenBatchesExceededError("stopped", groups=groups, stats=stats)
+  sampler = DynamicSampler(train_batch_size=4, group_type=traj_lib.ScoredGroup)
+  sampler.carry(err.groups)  # as `train._serve_rollout` does before it sends the error
+  err.resume_state = {"iterator": {"epoch": 1}, "sampler": sampler.state_dict()}
+  train, rollout = _pair(str(tmp_path))
+  try:
+    rollout.send(("experience", 5, err))
+    _, _, back = train.wait("experience", 5)
+  finally:
+    train.close()
+    rollout.close()
   assert type(back) is MaxGenBatchesExceededError and str(back) == "stopped"
-  assert back.groups == [1, 2] and back.resume_state == err.resume_state
+  assert back.stats.to_dict() == stats.to_dict()
+  assert len(back.groups) == 3
+  for a, b in zip(groups, back.groups):
+    _same_group(a, b)
+  relaunched = DynamicSampler(train_batch_size=4, group_type=traj_lib.ScoredGroup)
+  relaunched.load_state_dict(back.resume_state["sampler"])
+  for a, b in zip(groups, relaunched.carried_groups):
+    _same_group(a, b)
+  assert back.resume_state["iterator"] == {"epoch": 1}
 
 
 def test_a_rollout_process_on_another_lora_base_stops_the_run_in_one_line(tmp_path):
