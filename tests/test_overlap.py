@@ -492,6 +492,73 @@ def test_sides_of_two_processes_each_pair_process_by_process(tmp_path, whole_spl
         assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=1e-6), (s, k)
 
 
+
+_SIDE_CLI = """
+import sys
+from tests.test_overlap import _overlap_config
+from dapo_jax.infra import distributed
+from dapo_jax.spec import cli
+from dapo_jax.trainer.train import train_and_evaluate
+
+
+def main(argv):
+  role, peer, workdir, steps = argv
+  distributed.maybe_initialize()
+  c = _overlap_config(int(steps))
+  c.rollout_devices, c.eval.every = 0, 0
+  train_and_evaluate(c, workdir, role=role, peer=peer)
+
+
+cli.exit_on_error("dapo-train", main)
+"""
+
+
+def test_a_training_process_killed_ends_every_process_of_both_sides(tmp_path):
+  """Issue 50 (8): sides of two processes each; kill -9 of training process 1 after step 1.
+  Its rollout process learns it on their link; the others wait in collectives with a process
+  that has gone. Each of the three exits within the bound (DAPO_SIDE_EXIT_S, 10 s here, plus
+  the link's heartbeat) with exit code 2, one line saying why and no traceback."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = str(tmp_path / "run")
+  peer = ",".join(f"127.0.0.1:{processes.free_port()}" for _ in range(2))
+  procs = {}
+  for role in ("rollout", "train"):
+    coord = f"127.0.0.1:{processes.free_port()}"
+    for i in range(2):
+      env = processes.process_env(root, 2, {"JAX_COORDINATOR_ADDRESS": coord,
+                                            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+                                            "DAPO_SIDE_EXIT_S": "10"})
+      procs[role, i] = subprocess.Popen(
+          [sys.executable, "-c", _SIDE_CLI, role, peer, workdir, "8"], cwd=root, env=env,
+          stdout=open(tmp_path / f"{role}{i}.log", "w"), stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 600
+    while not _rows(workdir):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), (
+          "no step logged")
+      time.sleep(0.2)
+    procs["train", 1].kill()
+    killed = time.monotonic()
+    codes = {}
+    for key, p in procs.items():
+      if key != ("train", 1):
+        try:
+          codes[key] = p.wait(timeout=max(killed + 90 - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+          codes[key] = None
+    logs = {k: (tmp_path / f"{k[0]}{k[1]}.log").read_text() for k in codes}
+    assert all(c is not None for c in codes.values()), (
+        {k: c for k, c in codes.items()}, {k: v[-1500:] for k, v in logs.items()})
+    for key, text in logs.items():
+      assert codes[key] == 2, (key, codes[key], text[-3000:])
+      assert "Traceback" not in text, (key, text[-3000:])
+      said = [line for line in text.splitlines() if line.startswith("dapo-train: error:")]
+      assert len(said) == 1 and "gone" in said[0], (key, said, text[-3000:])
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+
 # Host-side decisions of a step: the same on any process layout (test_multiprocess.py).
 _DECISIONS = ("sampling/", "train/", "response/", "reward/", "staleness/", "data/", "eval/",
               "sync/")

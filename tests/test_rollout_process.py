@@ -540,3 +540,71 @@ def test_a_rollout_process_reads_no_weights(tmp_path):
   from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
   with pytest.raises(hf.CheckpointError, match="No model.safetensors"):  # the trainer reads them
     run_setup.build_run(spec, str(tmp_path / "work"), role="train")
+
+
+class _Store:
+  """A side's key-value store as `side_exit` uses it (jax.distributed's client: a missing key
+  raises NOT_FOUND); ``down``: its coordinator gone."""
+
+  def __init__(self):
+    self.kv, self.down = {}, False
+
+  def key_value_set(self, key, value):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to the coordinator")
+    self.kv.setdefault(key, value)
+
+  def key_value_try_get(self, key):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to the coordinator")
+    if key not in self.kv:
+      raise RuntimeError(f"NOT_FOUND: {key} not found")
+    return self.kv[key]
+
+
+def _watch(store, exits, exit_s=0.5):
+  from dapo_jax.infra import side_exit  # pylint: disable=g-import-not-at-top
+  done = threading.Event()
+
+  def leave(code):
+    exits.append(code)
+    done.set()
+  return side_exit.SideWatch("rollout", exit_s=exit_s, client=store, exit_fn=leave), done
+
+
+def test_a_broken_link_ends_every_process_of_its_side_in_bounded_time(capsys):
+  """Issue 50 (8): process 1's link breaks; it tells its side, and both it and process 0 (whose
+  link is fine, but which would wait in a collective with process 1) exit with 2 within the
+  bound, each in one line naming the link that broke. A link closed at the run's end, or a
+  store that stays up with nothing in it, arms nothing; a coordinator gone does."""
+  store, exits0, exits1 = _Store(), [], []
+  (_, done0), (w1, done1) = _watch(store, exits0), _watch(store, exits1)
+  quiet, quiet_exited = _watch(_Store(), [])
+  quiet.finished()
+  quiet.link_gone("the training process has gone (EOFError)")  # after the run's end: nothing
+  t0 = time.monotonic()
+  w1.link_gone("the training process has gone (EOFError)")
+  assert done0.wait(10) and done1.wait(10)
+  assert exits0 == exits1 == [2] and time.monotonic() - t0 < 5
+  lines = [line for line in capsys.readouterr().err.splitlines() if line]
+  assert len(lines) == 2 and all(line.startswith("dapo-train: error: ") for line in lines)
+  assert all("the training process has gone (EOFError)" in line for line in lines), lines
+  assert any("the link of process 0 of the rollout side: the training" in line
+             for line in lines), lines  # process 0's: the link that broke, and whose
+  time.sleep(1.5)
+  assert not quiet_exited.is_set()
+  down, exits = _Store(), []
+  _, gone = _watch(down, exits)
+  time.sleep(1.2)
+  assert not gone.is_set()  # a store with no key: nothing to do
+  down.down = True
+  assert gone.wait(10) and exits == [2]
+  assert "coordinator of this side's jax.distributed job has gone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_bad_side_exit_bound_is_one_line(monkeypatch, value):
+  from dapo_jax.infra import side_exit  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(side_exit.EXIT_ENV, value)
+  with pytest.raises(ValueError, match=f"DAPO_SIDE_EXIT_S={value!r}: give the seconds"):
+    side_exit.exit_after_s()

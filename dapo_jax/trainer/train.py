@@ -166,7 +166,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     teardown.callback(source.close)
     skips = 0  # consecutive non-finite updates (spec 6.4)
     for step in range(start_step, spec.num_steps):
-      state, exp, metrics, skips = _rl_step(spec, run, state, source, step, ref_params, skips)
+      try:
+        state, exp, metrics, skips = _rl_step(spec, run, state, source, step, ref_params, skips)
+      except Exception as err:  # pylint: disable=broad-except  (re-raised unless a side broke)
+        if (broke := _side_broke(err, step, run, source)) is None:
+          raise
+        raise broke from None
       if evaluating and (step + 1) % spec.eval.every == 0:
         with source.exclusive():
           metrics.update(evaluate(state.params, step + 1))
@@ -639,6 +644,26 @@ def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
   text = str(err)
   return rollout_process.SideGoneError(
       f"{text[0].upper()}{text[1:]} with the training process at step {step}. {saved}; "
+      f"{rollout_process.RELAUNCH} from it.")
+
+
+def _side_broke(err: Exception, step: int, run: run_setup.Run, source
+                ) -> rollout_process.SideGoneError | None:
+  """Where a collective failed because a process of a side has gone (here, or on the rollout
+  side: its error came as the batch), one line saying so; the rollout process is told and
+  every process of this side exits within the bound (`infra.side_exit`). None: ``err`` is of
+  another kind."""
+  if not rollout_process.is_side_failure(err):
+    return None
+  first = " ".join(str(err).splitlines()[0].split()) if str(err) else type(err).__name__
+  reason = f"a process of a side has gone ({first[:300]})"
+  if isinstance(source, rollout_process.RemoteExperience):
+    source.fail(reason)
+  newest = run.checkpointer.latest_step()
+  saved = ("No checkpoint is saved yet" if newest is None else
+           f"The newest checkpoint is step {newest} in {run.checkpointer.directory}")
+  return rollout_process.SideGoneError(
+      f"{reason[0].upper()}{reason[1:]} with the training process at step {step}. {saved}; "
       f"{rollout_process.RELAUNCH} from it.")
 
 
