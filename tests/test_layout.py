@@ -17,6 +17,7 @@ import code_metrics  # noqa: E402  pylint: disable=wrong-import-position
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "dapo_jax"
 MAX_LINES = 400
+MAX_LOOP_LINES = 90  # train_and_evaluate, docstring included
 # What each role may import (besides itself), bottom to top. docs/architecture.md has the table.
 MAY_IMPORT = {
     "infra": set(),
@@ -100,6 +101,17 @@ def test_long_files_say_why_they_are_one_piece(path):
       f"{path.relative_to(PKG.parent)} has {lines} lines: split it, or say in its module "
       f"docstring why it is one piece ('One piece: ...')")
 
+
+
+def test_the_loop_fits_on_a_screen():
+  """`train_and_evaluate` reads as the paper's step in order (STYLE.md, Flax examples): the
+  wiring and the step's body live in named functions beside it (issue 50, 17)."""
+  tree = ast.parse((PKG / "trainer" / "train.py").read_text())
+  [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_and_evaluate"]
+  lines = fn.end_lineno - fn.lineno + 1
+  assert lines <= MAX_LOOP_LINES, (
+      f"trainer/train.py train_and_evaluate has {lines} lines (at most {MAX_LOOP_LINES}): move "
+      "wiring or a step's work into a named function beside it")
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
   """The helpers see function-level imports, skip TYPE_CHECKING ones and find a cycle."""

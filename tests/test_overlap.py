@@ -28,12 +28,14 @@ _TIMING = ("time/", "perf/")
 
 
 def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, endless_at=None,
-            agree=None, poll_after=0.0):
+            agree=None, poll_after=0.0, wait_newer=False):
   """An overlapped source over a fake rollout: weights are their version number, a batch
   records the weights it was sampled with (and, partial, any newer ones it moved on to). The
   batch of ``endless_at`` polls forever (10 ms a chunk), as a rollout far longer than a
   preemption's notice. ``poll_after``: seconds a batch decodes before it asks for newer
-  weights."""
+  weights. ``wait_newer``: a batch between the first and the last polls until newer weights come
+  (up to 10 s), so each moves on whatever the timing (the last has none to move to: no batch
+  to come needs a newer version, so none is handed over)."""
   calls = []
 
   def sample(weights, step, version, newest, check):
@@ -48,6 +50,10 @@ def _source(k, *, start=0, end=8, save_every=100, fail_at=None, partial=False, e
     if newest is not None:
       threading.Event().wait(poll_after)
       newer = newest()
+      deadline = time.monotonic() + 10.0
+      while wait_newer and start < step < end - 1 and newer is None and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+        newer = newest()
       calls[-1] += (None if newer is None else (int(newer[0]), newer[1]),)
     return int(weights)
 
@@ -97,17 +103,20 @@ def test_partial_rollouts_move_on_to_the_newest_handed_over_version():
   """k = 2, partial: a batch starts with its scheduled version; asked for newer weights, the
   source offers the newest version handed over since, never an older one (which versions are
   out by then depends on timing)."""
-  src, calls = _source(2, end=4, partial=True)
+  src, calls = _source(2, end=4, partial=True, wait_newer=True)
   try:
     for step in range(4):
       src.next(step, None)
       src.updated(step + 1, jnp.asarray(step + 1))
   finally:
     src.close()
+  assert [c[0] for c in calls] == [0, 1, 2, 3]
   for step, version, weights, newer in calls:
     assert weights == version == max(step - 2, 0)
-    if newer is not None:
-      assert newer[0] == newer[1] > version and step - newer[1] <= 2
+    if step in (0, 3):  # nothing newer is out before step 0 trains, or needed after step 3's
+      continue
+    assert newer is not None, f"step {step}'s batch never moved on from version {version}"
+    assert newer[0] == newer[1] > version and newer[1] <= step
 
 
 def test_a_rollout_group_moves_to_the_same_version_at_the_same_poll():
@@ -344,18 +353,56 @@ def test_overlapped_run_on_split_devices_resumes_bit_for_bit(tmp_path, whole_spl
   assert all(a[s]["sync/weight_bytes"] > 0 for s in a)
 
 
-def test_partial_rollouts_run_within_the_bound(tmp_path):
-  """k = 2 with partial rollouts on split devices: every trained token within 2 versions, the
-  shares of tokens by staleness summing to 1."""
+def _moves_at_the_second_poll(newest, timeout_s=60.0):
+  """``newest`` (a batch's hand-over of newer weights) whose second call waits until a newer
+  version is out and gives it: the batch's first chunk is decoded by its scheduled version and
+  what follows by a newer one, whatever the timing (a batch polled once moves nowhere)."""
+  calls = [0]
+
+  def wrapped():
+    calls[0] += 1
+    if calls[0] == 1:
+      return None
+    if calls[0] > 2:
+      return newest()
+    deadline = time.monotonic() + timeout_s
+    while True:
+      got = newest()
+      if got is not None or time.monotonic() > deadline:
+        return got
+      time.sleep(0.01)
+  return wrapped
+
+
+def test_partial_rollouts_run_within_the_bound(tmp_path, monkeypatch):
+  """k = 2 with partial rollouts on split devices: samples in flight move on to a newer version
+  mid-batch (each batch after the first waits at its second poll for one), so a step trains
+  tokens of two versions; every trained token within 2 versions, the shares of tokens by
+  staleness summing to 1."""
+  real = train._sample
+
+  def sample(spec, run, weights, step, version, newest=None, check=None):
+    if newest is not None and step in (1, 2):  # scheduled on version 0; 1 is handed over
+      newest = _moves_at_the_second_poll(newest)
+    return real(spec, run, weights, step, version, newest, check)
+
+  monkeypatch.setattr(train, "_sample", sample)
   c = _small_config(**{
       "num_steps": 4, "algorithm.max_staleness": 2, "algorithm.partial_rollouts": True,
       "algorithm.rollout_is": "token_truncated", "rollout_devices": 4,
-      "checkpoint.save_every": 4})
+      "checkpoint.save_every": 4,
+      # 4 slots, one group of 4 samples at a time: a batch is polled once per group
+      "rollout.max_concurrent_decodes": 4})
   train_and_evaluate(c, str(tmp_path))
   m = _metrics(str(tmp_path))
   for s, row in m.items():
     assert row["staleness/max"] <= 2
     assert sum(row[f"staleness/tokens_at_{k}"] for k in range(3)) == pytest.approx(1.0)
+  # Steps 1 and 2 (rows 2 and 3) are sampled from version 0 (lags 1 and 2); the tokens after
+  # the move to version 1 lag one version less. Without the move: every token at its batch's.
+  lags = {s: [m[s][f"staleness/tokens_at_{k}"] for k in range(3)] for s in (2, 3)}
+  assert lags[2][0] > 0 and lags[2][1] > 0 and lags[2][2] == 0, lags
+  assert lags[3][1] > 0 and lags[3][2] > 0, lags
 
 
 _TWO_PROCESS = """
@@ -444,6 +491,73 @@ def test_sides_of_two_processes_each_pair_process_by_process(tmp_path, whole_spl
       elif k != "rollout/bit_equal":  # floats: gloo's all-reduce sums in another order
         assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=1e-6), (s, k)
 
+
+
+_SIDE_CLI = """
+import sys
+from tests.test_overlap import _overlap_config
+from dapo_jax.infra import distributed
+from dapo_jax.spec import cli
+from dapo_jax.trainer.train import train_and_evaluate
+
+
+def main(argv):
+  role, peer, workdir, steps = argv
+  distributed.maybe_initialize()
+  c = _overlap_config(int(steps))
+  c.rollout_devices, c.eval.every = 0, 0
+  train_and_evaluate(c, workdir, role=role, peer=peer)
+
+
+cli.exit_on_error("dapo-train", main)
+"""
+
+
+def test_a_training_process_killed_ends_every_process_of_both_sides(tmp_path):
+  """Issue 50 (8): sides of two processes each; kill -9 of training process 1 after step 1.
+  Its rollout process learns it on their link; the others wait in collectives with a process
+  that has gone. Each of the three exits within the bound (DAPO_SIDE_EXIT_S, 10 s here, plus
+  the link's heartbeat) with exit code 2, one line saying why and no traceback."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = str(tmp_path / "run")
+  peer = ",".join(f"127.0.0.1:{processes.free_port()}" for _ in range(2))
+  procs = {}
+  for role in ("rollout", "train"):
+    coord = f"127.0.0.1:{processes.free_port()}"
+    for i in range(2):
+      env = processes.process_env(root, 2, {"JAX_COORDINATOR_ADDRESS": coord,
+                                            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+                                            "DAPO_SIDE_EXIT_S": "10"})
+      procs[role, i] = subprocess.Popen(
+          [sys.executable, "-c", _SIDE_CLI, role, peer, workdir, "8"], cwd=root, env=env,
+          stdout=open(tmp_path / f"{role}{i}.log", "w"), stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 600
+    while not _rows(workdir):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), (
+          "no step logged")
+      time.sleep(0.2)
+    procs["train", 1].kill()
+    killed = time.monotonic()
+    codes = {}
+    for key, p in procs.items():
+      if key != ("train", 1):
+        try:
+          codes[key] = p.wait(timeout=max(killed + 90 - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+          codes[key] = None
+    logs = {k: (tmp_path / f"{k[0]}{k[1]}.log").read_text() for k in codes}
+    assert all(c is not None for c in codes.values()), (
+        {k: c for k, c in codes.items()}, {k: v[-1500:] for k, v in logs.items()})
+    for key, text in logs.items():
+      assert codes[key] == 2, (key, codes[key], text[-3000:])
+      assert "Traceback" not in text, (key, text[-3000:])
+      said = [line for line in text.splitlines() if line.startswith("dapo-train: error:")]
+      assert len(said) == 1 and "gone" in said[0], (key, said, text[-3000:])
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
 
 # Host-side decisions of a step: the same on any process layout (test_multiprocess.py).
 _DECISIONS = ("sampling/", "train/", "response/", "reward/", "staleness/", "data/", "eval/",

@@ -2,9 +2,9 @@
 channels (infra/peer_link.py), and what crosses them. The two-process run itself:
 tests/test_overlap.py."""
 
+import json
 import multiprocessing
 import os
-import pickle
 import signal
 import threading
 import time
@@ -166,14 +166,69 @@ def test_only_a_process_with_this_launchs_key_connects(tmp_path, monkeypatch):
   assert isinstance(listened[0], PeerError)  # the stale key never became a link
 
 
-def test_a_stopped_batch_crosses_with_what_it_gathered():
-  """Dynamic sampling that stops on the rollout process reaches the trainer whole: its
-  message, groups, stats and the rollout's resume state (checkpointed by the trainer)."""
-  err = MaxGenBatchesExceededError("stopped", groups=[1, 2], stats=SamplingStats())
-  err.resume_state = {"iterator": {"epoch": 1}, "sampler": {"carried": [1, 2]}}
-  back = pickle.loads(pickle.dumps(err))
+def _scored_groups(n):
+  """Scored groups as a partial-rollout batch leaves the rollout: stamped with the policy that
+  sampled them, tokens of two versions."""
+  from dapo_jax.data import arithmetic  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import trajectories as traj_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  out = []
+  for i, rec in enumerate(arithmetic.make_records(n)):
+    g = traj_lib.ScoredGroup(
+        prompt=rec, acc=np.array([True, False]), reward=np.array([1.0, -1.1]),
+        prompt_ids=rng.integers(0, 50, (2, 3)).astype(np.int32),
+        prompt_mask=np.ones((2, 3), bool), response_ids=rng.integers(0, 50, (2, 4)).astype(
+            np.int32), response_mask=np.array([[1, 1, 0, 0], [1, 1, 1, 1]], bool),
+        logprobs=rng.normal(size=(2, 4)).astype(np.float32), lengths=np.array([2, 4], np.int32),
+        truncated=np.array([False, True]), texts=[f"a{i}", f"b{i}"],
+        score=np.array([1.0, -1.0], np.float32), penalty=np.array([0.0, -0.1], np.float32),
+        num_errors=i, sampled_at_step=3, policy_version=2,
+        token_versions=np.array([[2, 3, -1, -1], [2, 2, 3, 3]], np.int32))
+    out.append(g)
+  return out
+
+
+def _same_group(a, b):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  for f in dataclasses.fields(a):
+    x, y = getattr(a, f.name), getattr(b, f.name)
+    if isinstance(x, np.ndarray):
+      assert x.dtype == y.dtype, f.name
+      np.testing.assert_array_equal(x, y, err_msg=f.name)
+    else:
+      assert x == y, f.name
+
+
+def test_a_stopped_batch_crosses_with_what_it_gathered(tmp_path):
+  """Dynamic sampling that stops on the rollout process reaches the trainer whole, through the
+  link: its message, the scored groups gathered (arrays, stamps, token versions), its stats and
+  the rollout's resume state with those groups carried (what the trainer checkpoints, and a
+  relaunch trains first)."""
+  from dapo_jax.trainer import trajectories as traj_lib  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer.dynamic_sampling import DynamicSampler  # pylint: disable=g-import-not-at-top
+  groups = _scored_groups(3)
+  stats = SamplingStats(num_gen_batches=4, num_groups_generated=12, num_all_wrong=9)
+  err = MaxGenBatchesExceededError("stopped", groups=groups, stats=stats)
+  sampler = DynamicSampler(train_batch_size=4, group_type=traj_lib.ScoredGroup)
+  sampler.carry(err.groups)  # as `train._serve_rollout` does before it sends the error
+  err.resume_state = {"iterator": {"epoch": 1}, "sampler": sampler.state_dict()}
+  train, rollout = _pair(str(tmp_path))
+  try:
+    rollout.send(("experience", 5, err))
+    _, _, back = train.wait("experience", 5)
+  finally:
+    train.close()
+    rollout.close()
   assert type(back) is MaxGenBatchesExceededError and str(back) == "stopped"
-  assert back.groups == [1, 2] and back.resume_state == err.resume_state
+  assert back.stats.to_dict() == stats.to_dict()
+  assert len(back.groups) == 3
+  for a, b in zip(groups, back.groups):
+    _same_group(a, b)
+  relaunched = DynamicSampler(train_batch_size=4, group_type=traj_lib.ScoredGroup)
+  relaunched.load_state_dict(back.resume_state["sampler"])
+  for a, b in zip(groups, relaunched.carried_groups):
+    _same_group(a, b)
+  assert back.resume_state["iterator"] == {"epoch": 1}
 
 
 def test_a_rollout_process_on_another_lora_base_stops_the_run_in_one_line(tmp_path):
@@ -461,3 +516,95 @@ def test_a_pull_of_weights_that_never_come_ends(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got["w"]), np.ones(3))
   finally:
     train.close(), rollout.close()
+
+
+def test_a_rollout_process_reads_no_weights(tmp_path):
+  """Issue 50 (11): the rollout process learned the sampler's structure by loading the whole
+  model (at 32B, a second full read of the checkpoint per host). Its weights come from the
+  training process, so a checkpoint directory holding only config.json is all it reads."""
+  from tests.hf_fixtures import TINY_HF  # pylint: disable=g-import-not-at-top
+  from tests.test_train_e2e import _small_config  # pylint: disable=g-import-not-at-top
+  from dapo_jax.spec.run_spec import RunSpec  # pylint: disable=g-import-not-at-top
+  from dapo_jax.trainer import run_setup  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "ckpt"  # no model.safetensors: a read of any weight fails
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text(json.dumps(
+      {**TINY_HF, "architectures": ["Qwen2ForCausalLM"]}))
+  cfg = _small_config()
+  cfg.model.checkpoint = str(ckpt)
+  spec = RunSpec.from_config(cfg, num_devices=jax.device_count())
+  run, state = run_setup.build_run(spec, str(tmp_path / "work"), role="rollout")
+  with run:
+    assert state is None and run.checkpointer is None
+    assert run.to_rollout.dtype == jnp.float32  # the weights it receives, cast to the model's
+  from dapo_jax.checkpoints import hf  # pylint: disable=g-import-not-at-top
+  with pytest.raises(hf.CheckpointError, match="No model.safetensors"):  # the trainer reads them
+    run_setup.build_run(spec, str(tmp_path / "work"), role="train")
+
+
+class _Store:
+  """A side's key-value store as `side_exit` uses it (jax.distributed's client: a missing key
+  raises NOT_FOUND); ``down``: its coordinator gone."""
+
+  def __init__(self):
+    self.kv, self.down = {}, False
+
+  def key_value_set(self, key, value):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to the coordinator")
+    self.kv.setdefault(key, value)
+
+  def key_value_try_get(self, key):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to the coordinator")
+    if key not in self.kv:
+      raise RuntimeError(f"NOT_FOUND: {key} not found")
+    return self.kv[key]
+
+
+def _watch(store, exits, exit_s=0.5):
+  from dapo_jax.infra import side_exit  # pylint: disable=g-import-not-at-top
+  done = threading.Event()
+
+  def leave(code):
+    exits.append(code)
+    done.set()
+  return side_exit.SideWatch("rollout", exit_s=exit_s, client=store, exit_fn=leave), done
+
+
+def test_a_broken_link_ends_every_process_of_its_side_in_bounded_time(capsys):
+  """Issue 50 (8): process 1's link breaks; it tells its side, and both it and process 0 (whose
+  link is fine, but which would wait in a collective with process 1) exit with 2 within the
+  bound, each in one line naming the link that broke. A link closed at the run's end, or a
+  store that stays up with nothing in it, arms nothing; a coordinator gone does."""
+  store, exits0, exits1 = _Store(), [], []
+  (_, done0), (w1, done1) = _watch(store, exits0), _watch(store, exits1)
+  quiet, quiet_exited = _watch(_Store(), [])
+  quiet.finished()
+  quiet.link_gone("the training process has gone (EOFError)")  # after the run's end: nothing
+  t0 = time.monotonic()
+  w1.link_gone("the training process has gone (EOFError)")
+  assert done0.wait(10) and done1.wait(10)
+  assert exits0 == exits1 == [2] and time.monotonic() - t0 < 5
+  lines = [line for line in capsys.readouterr().err.splitlines() if line]
+  assert len(lines) == 2 and all(line.startswith("dapo-train: error: ") for line in lines)
+  assert all("the training process has gone (EOFError)" in line for line in lines), lines
+  assert any("the link of process 0 of the rollout side: the training" in line
+             for line in lines), lines  # process 0's: the link that broke, and whose
+  time.sleep(1.5)
+  assert not quiet_exited.is_set()
+  down, exits = _Store(), []
+  _, gone = _watch(down, exits)
+  time.sleep(1.2)
+  assert not gone.is_set()  # a store with no key: nothing to do
+  down.down = True
+  assert gone.wait(10) and exits == [2]
+  assert "coordinator of this side's jax.distributed job has gone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_bad_side_exit_bound_is_one_line(monkeypatch, value):
+  from dapo_jax.infra import side_exit  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(side_exit.EXIT_ENV, value)
+  with pytest.raises(ValueError, match=f"DAPO_SIDE_EXIT_S={value!r}: give the seconds"):
+    side_exit.exit_after_s()

@@ -27,6 +27,9 @@ and writes HOST:PORT to ``<workdir>/rollout_peer.addr`` (``rollout_peer.<i>.addr
 key; each rollout process reads it there, and retries until a training process of this launch
 answers. The address is ``DAPO_PEER_HOST`` when set, else the interface that reaches the
 training side's ``jax.distributed`` coordinator (JAX_COORDINATOR_ADDRESS), else the host name's.
+
+One piece: `Link` is one connection's state (the handshake, the inbox, the heartbeat, the pulls
+and how the connection ends, told to `side_exit` on a side of several processes).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 import jax
 
 from dapo_jax.infra import run_files
+from dapo_jax.infra import side_exit
 
 CONNECT_TIMEOUT_S = 600.0  # the other process may still be compiling or loading a checkpoint
 # Each end says it is alive every HEARTBEAT_S (from a thread of its own); no word for SILENCE_S
@@ -181,6 +185,7 @@ class Link:
     self._inbox: list[tuple] = []
     self.signalled: int | None = None  # a signal the other process was sent (`signal`)
     self._closed = threading.Event()  # (ends the heartbeat)
+    self.watch: side_exit.SideWatch | None = None  # set after the handshake (below)
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     self.send(("hello", {"devices": jax.local_device_count(), "transfer": self.server.address(),
@@ -202,6 +207,9 @@ class Link:
           f"process {jax.process_index()} of {jax.process_count()} reached process "
           f"{hello['process'][0]} of {hello['process'][1]} of the other side: each side needs "
           "the same process count, and --peer's addresses in process order")
+    # A side of several processes: this link gone ends the whole side in bounded time.
+    self.watch = (side_exit.SideWatch("training" if other == "the rollout process" else
+                                      "rollout") if jax.process_count() > 1 else None)
     threading.Thread(target=self._heartbeat, name="dapo-peer-heartbeat", daemon=True).start()
 
   @classmethod
@@ -264,6 +272,8 @@ class Link:
   def send(self, msg: tuple) -> int:
     """Sends ``msg``; its size in bytes, pickled."""
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    if msg[0] == "stop":  # the run's end: the other process closes its end next
+      self._finished()
     with self._send_lock:
       try:
         self._conn.send_bytes(data)  # what Connection.send sends: `recv` reads it
@@ -281,14 +291,16 @@ class Link:
   def _recv(self) -> tuple | None:
     try:
       if not self._conn.poll(SILENCE_S):
-        raise PeerGone(f"{self.other} has gone (no word from it for {SILENCE_S:.0f} s, where "
-                       f"it says it is alive every {HEARTBEAT_S:.0f} s: its host down or the "
-                       "network cut?)")
+        raise self._noted(PeerGone(
+            f"{self.other} has gone (no word from it for {SILENCE_S:.0f} s, where it says it "
+            f"is alive every {HEARTBEAT_S:.0f} s: its host down or the network cut?)"))
       msg = self._conn.recv()
     except (OSError, EOFError) as e:
       raise self._gone(e) from e
     if msg[0] == "signal":
       self.signalled = msg[2]
+    elif msg[0] == "stop":
+      self._finished()
     return None if msg[0] in ("signal", "heartbeat") else msg
 
   def _heartbeat(self) -> None:
@@ -316,7 +328,17 @@ class Link:
     return self.signalled
 
   def _gone(self, e: BaseException) -> PeerGone:
-    return PeerGone(f"{self.other} has gone ({str(e) or type(e).__name__})")
+    return self._noted(PeerGone(f"{self.other} has gone ({str(e) or type(e).__name__})"))
+
+  def _noted(self, e: PeerGone) -> PeerGone:
+    """``e``, told to the side's watch first (whichever thread met it: the heartbeat's too)."""
+    if self.watch is not None and not self._closed.is_set():
+      self.watch.link_gone(str(e))
+    return e
+
+  def _finished(self) -> None:
+    if self.watch is not None:
+      self.watch.finished()
 
   def wait(self, kind: str, key: Any) -> tuple:
     """The first message ``(kind, key, payload)``; others that come first are kept for later."""
@@ -358,6 +380,7 @@ class Link:
 
   def close(self) -> None:
     self._closed.set()
+    self._finished()
     with contextlib.suppress(OSError):
       self._conn.close()
 

@@ -59,6 +59,19 @@ class SideGoneError(PeerError):
   side, at which step, what was saved and how to relaunch (a non-zero exit, no traceback)."""
 
 
+# What a collective says when a process it waits for has gone (gloo's TCP pairs, the
+# coordination service): on a side of several processes, one line, not a traceback.
+_PEER_FAILURES = ("closed by peer", "reset by peer", "Connection refused", "UNAVAILABLE",
+                  "DEADLINE_EXCEEDED", "has been marked as failed", "heartbeat")
+
+
+def is_side_failure(e: BaseException) -> bool:
+  """Whether ``e`` is a collective that failed because a process of this side has gone."""
+  import jax.errors  # pylint: disable=g-import-not-at-top
+  return (jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError)
+          and any(s in str(e) for s in _PEER_FAILURES))
+
+
 RELAUNCH = ("relaunch both processes (--role=train and --role=rollout) with the same --config "
             "and --workdir to resume")
 
@@ -188,6 +201,14 @@ class RemoteExperience:
       self._gone = e
       return False
 
+  def fail(self, reason: str) -> None:
+    """Tells the rollout process that this run stops on ``reason`` (it ends in one line, exit
+    2, as this process does) and arms this side's bounded exit (`side_exit`)."""
+    if self.link.watch is not None:
+      self.link.watch.link_gone(reason)
+    with contextlib.suppress(PeerError):
+      self.link.send(("error", None, reason))
+
   def close(self) -> None:
     with contextlib.suppress(PeerError):
       self.link.send(("stop", None))
@@ -238,6 +259,9 @@ def serve(link: Link, sample: exp_lib.SampleFn, resume_state: Callable[[], dict[
       kind = msg[0]
       if kind == "stop":
         return
+      if kind == "error":  # the training side failed (a process of it gone): it says why
+        raise SideGoneError(f"The training process stopped at step {at}: {msg[2]}. This "
+                            f"process saves nothing; {RELAUNCH} from the newest checkpoint.")
       if kind == "evaluate":
         _, step, req = msg
         task = functools.partial(_evaluate, link, evaluator, receive, mesh, step, req["offer"])

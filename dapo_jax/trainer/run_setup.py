@@ -25,7 +25,8 @@ from dapo_jax.data.records import MathRecord
 from dapo_jax.trainer.dynamic_sampling import DynamicSampler
 from dapo_jax.trainer.skip_filter import SkipFilter
 from dapo_jax.trainer.generation import Generator
-from dapo_jax.models import Qwen2Config, attention, create_model, get_preset, lora
+from dapo_jax.models import (Qwen2Config, abstract_model, attention, create_model,
+                             get_preset, lora)
 from dapo_jax.rewards.batch import RewardScorer
 from dapo_jax.rollout.factory import make_rollout, make_stream_opener
 from dapo_jax.rollout.sampling import SamplingParams
@@ -89,7 +90,8 @@ def model_config(m: ModelSpec, tokenizer_kind: str, tokenizer) -> Qwen2Config:
   vocabulary: the tokenizer's for ``tokenizer_kind`` "char", else at least the preset's); a
   vocabulary the tokenizer does not fit is refused (`check_vocabulary`)."""
   if m.checkpoint:
-    cfg = Qwen2Config.from_hf(read_hf_config(m.checkpoint), **model_runtime(m))
+    cfg = Qwen2Config.from_hf(read_hf_config(os.path.expanduser(m.checkpoint)),
+                             **model_runtime(m))
     check_vocabulary(cfg.vocab_size, tokenizer, f"model.checkpoint={m.checkpoint}", True)
     return cfg
   overrides = dict(m.overrides)
@@ -271,7 +273,8 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   ``role`` (``dapo-train --role``, `rollout_process`): "both" (this process trains and rolls
   out), "train" or "rollout" (the other process does the other; this process's devices, all of
   them, are laid out as ``mesh`` and ``rollout_mesh`` say). A rollout process builds no train
-  state (None), train step or checkpointer."""
+  state (None), train step or checkpointer, and reads or draws no weights: the sampler's
+  structure comes from the model's config alone (a LoRA run's frozen base aside)."""
   if role == "both":
     train_devices, rollout_devices = distributed.split_devices(spec.rollout_devices)
   else:  # both meshes over this side's devices, laid out as the one-process split lays them
@@ -279,7 +282,13 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   mesh = build_mesh(spec.mesh, spec.dcn_mesh, train_devices)
   tok = spec.tokenizer
   tokenizer, tokenizer_line, fell_back = choose_tokenizer(tok.kind, tok.path, spec.model.checkpoint)
-  model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
+  lcfg = lora.LoRAConfig.from_config(spec.model.lora)
+  if role == "rollout" and not lcfg.rank:
+    # The sampler's structure alone: the weights arrive from the training process each step,
+    # so none is read or drawn here (a LoRA run's frozen base is: only adapters cross).
+    model = abstract_model(model_config(spec.model, spec.tokenizer.kind, tokenizer))
+  else:
+    model = build_model(spec.model, spec.tokenizer.kind, tokenizer, mesh, spec.seed)
   (_log.warning if fell_back else _log.info)("%s; %s", describe(spec.model, model), tokenizer_line)
   fallback = attention_fallback(spec.sizes.max_length, model.config, jax.default_backend())
   if fallback:
@@ -296,7 +305,6 @@ def build_run(spec: RunSpec, workdir: str, role: str = "both") -> tuple[Run, Tra
   r, a = spec.rollout, spec.algorithm
   engine = engine_args(r, spec.data.max_prompt_length)
   rollout = make_rollout(r.engine, sampler_graphdef, rollout_mesh, tokenizer, **engine)
-  lcfg = lora.LoRAConfig.from_config(spec.model.lora)
   base_record = None
   if role == "rollout":
     to_rollout, base_record = _rollout_side_weights(spec, model, rollout_mesh, lcfg)

@@ -145,9 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if role == "train":  # the rollout runs in the process that connects to ``peer``
       link = teardown.enter_context(contextlib.closing(rollout_process.Link.listen(
           peer, str(workdir), agree=rollout_process.batch_settings(config))))
-      evaluate = functools.partial(rollout_process.evaluate, link, run.to_rollout.send)
-    else:
-      evaluate = lambda params, step: evaluator(run.to_rollout(params), step=step)  # noqa: E731
+    evaluate = _evaluate_fn(run, evaluator, link)
     state, start_step, resumed = _restore(run, state)
     run_config.record(launch, start_step if resumed else None)  # config.json once restored
     # A fresh run drops any log lines left by an attempt that died before its first checkpoint.
@@ -163,92 +161,139 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     stop = teardown.enter_context(_StopRequest())
     progress = RunLogger.for_run(spec, initial=start_step, headline=evaluator.headline)
     teardown.callback(progress.close)
-    # Experience: sampled when asked (max_staleness 0), or by a rollout running ahead.
-    staleness = spec.algorithm.max_staleness
-    if link is not None:
-      source = rollout_process.RemoteExperience(
-          link, run.to_rollout.send, max_staleness=staleness, start_step=start_step,
-          num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params,
-          partial=spec.algorithm.partial_rollouts,
-          resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
-      evaluate = source.evaluate  # placed among the rollout's batches from now on
-      stop.also = source.stop_requested  # SIGTERM on the rollout process stops here too
-    else:
-      source = exp_lib.open_source(
-          staleness, functools.partial(_sample, spec, run), run.to_rollout,
-          lambda: _resume_state(run), start_step=start_step, num_steps=spec.num_steps,
-          save_every=spec.checkpoint.save_every, params=state.params,
-          partial=spec.algorithm.partial_rollouts)
+    source, evaluate = _experience_source(spec, run, state, link, evaluate, stop, start_step,
+                                          resumed)
     teardown.callback(source.close)
-    consecutive_skips = 0
+    skips = 0  # consecutive non-finite updates (spec 6.4)
     for step in range(start_step, spec.num_steps):
-      timer = Timer()
-      with timer("trainer_idle" if staleness else "rollout"):
-        try:
-          exp = source.next(step, state.params)
-        except DynamicSamplingError as err:
-          raise _sampling_stopped(err, step, spec, run, state) from err
-        except rollout_process.PeerError as err:  # --role=train: the rollout process went
-          raise _rollout_gone(err, step, run, state, source) from None
-        traj, ds_stats, diag = exp.batch
-        adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
-      with timer("old_logprob"):
-        layouts = _pack(spec, run, traj)  # optim.packing: each mini-batch's packed rows
-        old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
-                                                     ref_params, decoupled=staleness > 0,
-                                                     layouts=layouts)
-      with timer("update"):
-        state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp, layouts)
-      source.updated(step + 1, state.params)  # the new weights to the rollout
-      for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
-        consecutive_skips = consecutive_skips + 1 if float(m["skipped"]) else 0
-      metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step,
-                             rollout_s=exp.times["rollout"])
-      metrics.update(diag)
-      metrics.update(_grad_weight_metrics(spec, traj, adv))
-      metrics.update(_packing_metrics(spec, run, layouts))
-      if staleness:
-        metrics.update(traj_lib.staleness_metrics(traj, step, staleness))
-        metrics.update(_overlap_metrics(exp))
+      try:
+        state, exp, metrics, skips = _rl_step(spec, run, state, source, step, ref_params, skips)
+      except Exception as err:  # pylint: disable=broad-except  (re-raised unless a side broke)
+        if (broke := _side_broke(err, step, run, source)) is None:
+          raise
+        raise broke from None
       if evaluating and (step + 1) % spec.eval.every == 0:
         with source.exclusive():
           metrics.update(evaluate(state.params, step + 1))
-      _log_step(spec, writer, progress, step + 1, metrics, traj)
+      _log_step(spec, writer, progress, step + 1, metrics, exp.batch[0])
       result = metrics
-      if consecutive_skips >= spec.optim.max_consecutive_skips:
-        run.checkpointer.wait_until_finished()
-        raise NonFiniteUpdatesError(
-            f"{consecutive_skips} consecutive non-finite updates up to step {step + 1}; stopping. "
-            f"The last good checkpoint (step {run.checkpointer.latest_step()}) is kept.")
-      preempted = stop.requested(step + 1)
-      # A save failed on a storage outage is retried at the next one; only
-      # checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line).
-      if (preempted or (step + 1) % spec.checkpoint.save_every == 0
-          or step + 1 == spec.num_steps):
-        _save(run, step + 1, state, resume=exp.resume_state)
-      if preempted:  # one try: a preempted VM has seconds left
-        if run.checkpointer.wait_until_finished():
-          _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with "
-                       "the same --workdir to resume.", step + 1, run.checkpointer.directory)
-        else:
-          _log.warning("Stopped at step %d on request; its checkpoint could not be written "
-                       "(storage), the newest is step %s. Relaunch with the same --workdir to "
-                       "resume from it.", step + 1, run.checkpointer.latest_step())
+      _check_skips(spec, run, skips, step + 1)
+      if _checkpoint(spec, run, stop, step + 1, state, exp.resume_state):  # stopped on request
         return {**result, "stopped_at_step": float(step + 1)}
     # (the last batch's data state: on --role=train this process's iterator never moves)
     _last_save_landed(run, spec.num_steps, state,
                       exp.resume_state if spec.num_steps > start_step else None)
     if evaluating and not any(k.startswith("eval/") for k in result):
-      try:
-        final = evaluate(state.params, spec.num_steps)
-      except rollout_process.PeerError as err:  # its step is saved: a relaunch evaluates it
-        raise _rollout_gone(err, spec.num_steps, run, state, source) from None
-      writer.write_scalars(spec.num_steps, final)
-      result.update(final)
+      result.update(_final_evaluate(spec, run, state, source, evaluate, writer))
     writer.flush()
     rows = curves.write_final_files(workdir, result)  # curves.png, final_metrics.json
     _log_held_out(spec.num_steps, workdir, evaluator.headline, rows)
     return result
+
+
+def _evaluate_fn(run: run_setup.Run, evaluator: eval_lib.Evaluator, link):
+  """``evaluate(params, step)`` -> eval metrics: here, or by the rollout process at ``link``
+  (None: this process rolls out)."""
+  if link is not None:
+    return functools.partial(rollout_process.evaluate, link, run.to_rollout.send)
+  return lambda params, step: evaluator(run.to_rollout(params), step=step)
+
+
+def _experience_source(spec: RunSpec, run: run_setup.Run, state: TrainState, link, evaluate,
+                       stop: _StopRequest, start_step: int, resumed: bool):
+  """Where each step's experience comes from, and the evaluate to use from now on: sampled
+  when asked (max_staleness 0), by a rollout thread running ahead, or by the rollout process
+  at ``link`` (its evaluations placed among its batches; its SIGTERM stops this loop too)."""
+  staleness = spec.algorithm.max_staleness
+  if link is None:
+    return exp_lib.open_source(
+        staleness, functools.partial(_sample, spec, run), run.to_rollout,
+        lambda: _resume_state(run), start_step=start_step, num_steps=spec.num_steps,
+        save_every=spec.checkpoint.save_every, params=state.params,
+        partial=spec.algorithm.partial_rollouts), evaluate
+  source = rollout_process.RemoteExperience(
+      link, run.to_rollout.send, max_staleness=staleness, start_step=start_step,
+      num_steps=spec.num_steps, save_every=spec.checkpoint.save_every, params=state.params,
+      partial=spec.algorithm.partial_rollouts,
+      resume=_resume_state(run) if resumed else None, lora_base=run.lora_base)
+  stop.also = source.stop_requested
+  return source, source.evaluate
+
+
+def _rl_step(spec: RunSpec, run: run_setup.Run, state: TrainState, source, step: int,
+             ref_params, skips: int):
+  """One DAPO step (spec 6): the batch (dynamic sampling, or the rollout running ahead),
+  advantages, old log-probs, the updates, the new weights to the rollout; returns the state,
+  the experience, the step's metrics and the consecutive skipped updates so far."""
+  staleness = spec.algorithm.max_staleness
+  timer = Timer()
+  with timer("trainer_idle" if staleness else "rollout"):
+    try:
+      exp = source.next(step, state.params)
+    except DynamicSamplingError as err:
+      raise _sampling_stopped(err, step, spec, run, state) from err
+    except rollout_process.PeerError as err:  # --role=train: the rollout process went
+      raise _rollout_gone(err, step, run, state, source) from None
+    traj, ds_stats, diag = exp.batch
+    adv = traj_lib.compute_advantages(traj, spec.algorithm.norm_adv_by_std)
+  with timer("old_logprob"):
+    layouts = _pack(spec, run, traj)  # optim.packing: each mini-batch's packed rows
+    old_logp, entropy, ref_logp = _old_log_probs(spec.rollout, run, state, traj, step,
+                                                 ref_params, decoupled=staleness > 0,
+                                                 layouts=layouts)
+  with timer("update"):
+    state, updates = _update(spec, run, state, traj, adv, old_logp, step, ref_logp, layouts)
+  source.updated(step + 1, state.params)  # the new weights to the rollout
+  for m in updates:  # spec 6.4 skips non-finite updates; too many in a row stop the run
+    skips = skips + 1 if float(m["skipped"]) else 0
+  metrics = step_metrics(spec, state, traj, ds_stats, updates, old_logp, entropy, timer, step,
+                         rollout_s=exp.times["rollout"])
+  metrics.update(diag)
+  metrics.update(_grad_weight_metrics(spec, traj, adv))
+  metrics.update(_packing_metrics(spec, run, layouts))
+  if staleness:
+    metrics.update(traj_lib.staleness_metrics(traj, step, staleness))
+    metrics.update(_overlap_metrics(exp))
+  return state, exp, metrics, skips
+
+
+def _check_skips(spec: RunSpec, run: run_setup.Run, skips: int, step: int) -> None:
+  if skips >= spec.optim.max_consecutive_skips:
+    run.checkpointer.wait_until_finished()
+    raise NonFiniteUpdatesError(
+        f"{skips} consecutive non-finite updates up to step {step}; stopping. "
+        f"The last good checkpoint (step {run.checkpointer.latest_step()}) is kept.")
+
+
+def _checkpoint(spec: RunSpec, run: run_setup.Run, stop: _StopRequest, step: int,
+                state: TrainState, resume: dict[str, Any]) -> bool:
+  """Saves every checkpoint.save_every steps, at the last and on a stop request; True: stop.
+
+  A save failed on a storage outage is retried at the next one; only
+  checkpoint.max_consecutive_failed_saves failures in a row stop the run (one line)."""
+  preempted = stop.requested(step)
+  if preempted or step % spec.checkpoint.save_every == 0 or step == spec.num_steps:
+    _save(run, step, state, resume=resume)
+  if preempted:  # one try: a preempted VM has seconds left
+    if run.checkpointer.wait_until_finished():
+      _log.warning("Stopped at step %d on request; checkpoint written to %s. Relaunch with "
+                   "the same --workdir to resume.", step, run.checkpointer.directory)
+    else:
+      _log.warning("Stopped at step %d on request; its checkpoint could not be written "
+                   "(storage), the newest is step %s. Relaunch with the same --workdir to "
+                   "resume from it.", step, run.checkpointer.latest_step())
+  return preempted
+
+
+def _final_evaluate(spec: RunSpec, run: run_setup.Run, state: TrainState, source, evaluate,
+                    writer: MultiWriter) -> dict[str, float]:
+  """The last step's evaluation when no eval step fell on it, written to the logs."""
+  try:
+    final = evaluate(state.params, spec.num_steps)
+  except rollout_process.PeerError as err:  # its step is saved: a relaunch evaluates it
+    raise _rollout_gone(err, spec.num_steps, run, state, source) from None
+  writer.write_scalars(spec.num_steps, final)
+  return final
 
 
 def _serve_rollout(spec: RunSpec, workdir: str, peer: str, agree: dict[str, str]
@@ -599,6 +644,26 @@ def _rollout_gone(err: rollout_process.PeerError, step: int, run: run_setup.Run,
   text = str(err)
   return rollout_process.SideGoneError(
       f"{text[0].upper()}{text[1:]} with the training process at step {step}. {saved}; "
+      f"{rollout_process.RELAUNCH} from it.")
+
+
+def _side_broke(err: Exception, step: int, run: run_setup.Run, source
+                ) -> rollout_process.SideGoneError | None:
+  """Where a collective failed because a process of a side has gone (here, or on the rollout
+  side: its error came as the batch), one line saying so; the rollout process is told and
+  every process of this side exits within the bound (`infra.side_exit`). None: ``err`` is of
+  another kind."""
+  if not rollout_process.is_side_failure(err):
+    return None
+  first = " ".join(str(err).splitlines()[0].split()) if str(err) else type(err).__name__
+  reason = f"a process of a side has gone ({first[:300]})"
+  if isinstance(source, rollout_process.RemoteExperience):
+    source.fail(reason)
+  newest = run.checkpointer.latest_step()
+  saved = ("No checkpoint is saved yet" if newest is None else
+           f"The newest checkpoint is step {newest} in {run.checkpointer.directory}")
+  return rollout_process.SideGoneError(
+      f"{reason[0].upper()}{reason[1:]} with the training process at step {step}. {saved}; "
       f"{rollout_process.RELAUNCH} from it.")
 
 
