@@ -1,6 +1,11 @@
 """Builds what a run needs from its spec (`RunSpec`, each builder the sections it reads): mesh,
 tokenizer, model, datasets, step settings, and ``build_run``'s bundle of all of them for the
-trainer."""
+trainer.
+
+One piece: the one place a run is assembled, in the order its parts depend on each other (the
+tokenizer before the model's vocabulary check, the meshes before the model, the model before the
+engines), which every command that builds part of a run (dapo-eval, dapo-serve, the rollout
+process) reuses builder by builder."""
 
 from __future__ import annotations
 
