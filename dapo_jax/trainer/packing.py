@@ -314,16 +314,15 @@ def forward_rows(logp_fn: LogProbForward, params: Any, input_ids_NxL: np.ndarray
   reference's) on host rows: padded, or with ``layouts`` batch by batch packed (consecutive
   rows, as `layouts` cut them). The same on every process."""
   dev = lambda x: distributed.rows_on_device(x, mesh)
+  ref = {} if ref_params is None else {"ref_params": ref_params}
   if layouts is None:
-    out = logp_fn(params, dev(input_ids_NxL), dev(attention_mask_NxL), response_len,
-                  ref_params=ref_params)
+    out = logp_fn(params, dev(input_ids_NxL), dev(attention_mask_NxL), response_len, **ref)
     return tuple(np.asarray(x) for x in distributed.global_to_host(out))
   per_batch, start = [], 0
   for lay in layouts:
     sl = slice(start, start + lay.num_rows)
     start += lay.num_rows
     rows = packed_rows(lay, input_ids_NxL[sl], attention_mask_NxL[sl], response_len)
-    out = distributed.global_to_host(
-        logp_fn.packed(params, jax.tree.map(dev, rows), ref_params=ref_params))
+    out = distributed.global_to_host(logp_fn.packed(params, jax.tree.map(dev, rows), **ref))
     per_batch.append(tuple(lay.unpack_rows(np.asarray(x)) for x in out))
   return tuple(np.concatenate(parts) for parts in zip(*per_batch))
