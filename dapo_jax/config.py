@@ -413,6 +413,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     bad("data.on_malformed", c.data.on_malformed, "choose 'raise' or 'skip'")
   if c.data.num_epochs < 0:
     bad("data.num_epochs", c.data.num_epochs, "must be >= 0 (0 = endless)")
+  if c.checkpoint.save_every < 1:  # 0 stopped the loop after its first step (modulo by zero)
+    bad("checkpoint.save_every", c.checkpoint.save_every,
+        "must be >= 1 steps (a run also saves at its last step and on SIGTERM)")
   if c.checkpoint.max_consecutive_failed_saves < 1:
     bad("checkpoint.max_consecutive_failed_saves", c.checkpoint.max_consecutive_failed_saves,
         "must be >= 1 (1: the first failed save stops the run)")

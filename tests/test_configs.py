@@ -84,6 +84,8 @@ def test_32b_table1_rows_add_one_technique_each():
     ("rollout.top_p", 0.0, "top_p"),
     ("algorithm.kl_loss_type", "full", "kl_loss_type"),
     ("algorithm.kl_loss_coef", -0.1, "kl_loss_coef"),
+    ("checkpoint.save_every", 0, r"checkpoint.save_every=0: must be >= 1"),
+    ("optim.max_tokens_per_row", 100, r"max_tokens_per_row=100: must be 0 .* 22528"),
 ])
 def test_bad_values_name_the_field(field, value, match):
   c = config_lib.default_config()
