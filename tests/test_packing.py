@@ -248,3 +248,12 @@ def test_packed_step_sharded_over_8_devices_equals_the_padded_step(setup, padded
   mask = h["resp"]
   np.testing.assert_allclose(np.where(mask, lay.unpack_rows(np.asarray(logp)), 0),
                              np.where(mask, setup["logp"], 0), atol=TOL, rtol=TOL)
+
+
+def test_a_response_with_no_token_before_it_gets_one_line():
+  attn = np.zeros((2, P + R), bool)
+  attn[0, P - 2:P + 3] = True
+  attn[1, P:P + 4] = True  # no prompt token: nothing predicts the first response token
+  lay = packing.pack_layout(attn, 24)
+  with pytest.raises(ValueError, match="^Row 1: a response token with no token before it"):
+    lay.token_index(attn, R)

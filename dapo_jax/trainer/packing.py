@@ -136,6 +136,9 @@ class PackLayout:
       compact = np.cumsum(mask[n]) - 1  # position of each padded column in the sequence
       cols = compact[p:] - 1  # the position before the token
       live = mask[n, p:]
+      if live.any() and cols[live].min() < 0:
+        raise ValueError(f"Row {n}: a response token with no token before it (an empty "
+                         f"prompt); nothing predicts it.")
       out[q] = np.where(live, local * self.budget + self.start[q] + cols, 0)
     return out
 
